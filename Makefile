@@ -1,0 +1,25 @@
+# Two entry points (see README): `make run` (set up + main job) and `make test`.
+# Both are idempotent: set-up re-runs only when the packaging or native sources change.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pagedattn-installed
+NATIVE_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.py' 2>/dev/null)
+
+.PHONY: setup run test
+setup: $(STAMP)
+
+# torch first, from the local CPU wheel; then the package against it, without build
+# isolation (an isolated build would fetch another torch).
+$(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check "setuptools>=64" wheel ninja numpy pytest
+	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation -e '.[test]'
+	touch $@
+
+run: setup
+	$(BIN)/pagedattn info
+
+test: setup
+	$(BIN)/python -m pytest -q

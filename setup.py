@@ -1,0 +1,32 @@
+"""Builds the native CPU extension ``pagedattn._C`` with the package's own pip install.
+
+One binary runs on every x86-64 (and aarch64): ISA-specific kernels select their
+instruction set per translation unit (``#pragma GCC target``) and are chosen at run time,
+so no ``-march`` flag is passed here.
+"""
+
+import glob
+import os
+
+from setuptools import setup
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sources = sorted(
+    os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "cpu", "*.cpp"))
+)
+
+ext_modules = []
+if sources:
+    ext_modules.append(
+        CppExtension(
+            name="pagedattn._C",
+            sources=sources,
+            include_dirs=[os.path.join(HERE, "csrc", "cpu")],
+            extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-Wall",
+                                "-Wno-unused-function", "-Wno-unknown-pragmas"],
+        )
+    )
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExtension} if ext_modules else {})
