@@ -1,0 +1,462 @@
+"""Pure-PyTorch reference of every pagedattn op.
+
+This module *defines* the semantics of SPEC.md ("Attention semantics") for every kernel:
+tests compare kernels against it, and ``pagedattn.ops`` falls back to it when the native
+extension is missing. It is written for clarity, one request at a time, in float32.
+
+Cache layouts (``layout`` argument):
+
+* ``"cpu"``   -- ``key_cache[block, kv_head, offset, :]``   shape ``[nb, nkv, bs, hs]``
+* ``"flash"`` -- ``key_cache[block, offset, kv_head, :]``   shape ``[nb, bs, nkv, hs]``
+
+Token ``j`` of request ``r`` lives in block ``block_table[r, j // bs]`` at offset
+``j % bs``. A slot id is ``block * bs + offset``; slot ``-1`` (PAD_SLOT_ID) means "skip".
+
+Visibility (per request, ``q_len`` new queries over ``kv_len`` keys; query ``i`` sits at
+absolute position ``p = kv_len - q_len + i``)::
+
+    q_len=3, kv_len=6, causal, window (left=2, right=-1):   key j ->  0 1 2 3 4 5
+        query 0 (p=3)                                                . x x x . .
+        query 1 (p=4)                                                . . x x x .
+        query 2 (p=5)                                                . . . x x x
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Layout = Literal["cpu", "flash"]
+_LAYOUTS = ("cpu", "flash")
+_FP8_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+
+
+def _cache_geometry(key_cache: torch.Tensor, layout: Layout) -> tuple[int, int, int, int]:
+    """``(num_blocks, num_kv_heads, block_size, head_size)`` of a cache in ``layout``."""
+    _check_layout(layout)
+    if key_cache.dim() != 4:
+        raise ValueError(
+            f"key_cache must be 4-D ({layout} layout), got shape {tuple(key_cache.shape)}"
+        )
+    if layout == "cpu":
+        num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
+    else:
+        num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    return num_blocks, num_kv_heads, block_size, head_size
+
+
+# --------------------------------------------------------------------------- caching
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: Layout = "cpu",
+) -> None:
+    """Write token ``t``'s key/value ``[num_kv_heads, head_size]`` into slot
+    ``slot_mapping[t]`` of the caches (in place).
+
+    key/value: ``[T, num_kv_heads, head_size]`` with ``T >= slot_mapping.numel()`` (only
+    the first ``slot_mapping.numel()`` tokens are written). Negative slots are skipped.
+    """
+    num_blocks, num_kv_heads, block_size, head_size = _cache_geometry(key_cache, layout)
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape "
+            f"{tuple(key_cache.shape)}"
+        )
+    n = slot_mapping.numel()
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_size):
+            raise ValueError(
+                f"{name} must have shape [T, {num_kv_heads}, {head_size}], got {tuple(t.shape)}"
+            )
+        if t.shape[0] < n:
+            raise ValueError(
+                f"{name} has {t.shape[0]} tokens but slot_mapping has {n} entries"
+            )
+    slots = slot_mapping.reshape(-1).to(torch.int64)
+    valid = slots >= 0
+    too_big = slots >= num_blocks * block_size
+    if bool(too_big.any()):
+        bad = int(slots[too_big][0])
+        raise ValueError(
+            f"slot_mapping holds slot {bad}, out of range for {num_blocks} blocks of "
+            f"{block_size} (max slot {num_blocks * block_size - 1})"
+        )
+    tokens = torch.nonzero(valid).flatten()
+    blocks = slots[tokens] // block_size
+    offsets = slots[tokens] % block_size
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        rows = src[:n][tokens].to(cache.dtype)
+        if layout == "cpu":
+            cache[blocks, :, offsets, :] = rows
+        else:
+            cache[blocks, offsets, :, :] = rows
+
+
+def _gather_request_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int, layout: Layout
+) -> torch.Tensor:
+    """Keys (or values) ``0..kv_len-1`` of one request, ``[kv_len, num_kv_heads, hs]``."""
+    _, _, block_size, _ = _cache_geometry(cache, layout)
+    positions = torch.arange(kv_len)
+    blocks = block_table_row[positions // block_size].to(torch.int64)
+    offsets = positions % block_size
+    if layout == "cpu":
+        return cache[blocks, :, offsets, :]
+    return cache[blocks, offsets, :, :]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def visibility_mask(
+    q_len: int, kv_len: int, causal: bool, sliding_window: tuple[int, int] = (-1, -1)
+) -> torch.Tensor:
+    """Boolean ``[q_len, kv_len]``: True where query ``i`` may attend to key ``j``."""
+    left, right = sliding_window
+    pos = (kv_len - q_len + torch.arange(q_len)).unsqueeze(1)
+    key = torch.arange(kv_len).unsqueeze(0)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if causal:
+        mask &= key <= pos
+    if left >= 0:
+        mask &= key >= pos - left
+    if right >= 0:
+        mask &= key <= pos + right
+    return mask
+
+
+def _attend_one_request(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    sliding_window: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    s_aux: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 attention of ``q [q_len, H, D]`` over ``k, v [kv_len, H_kv, D]``.
+
+    Returns ``(out [q_len, H, D], lse [q_len, H])``; ``lse`` is the log of the softmax
+    denominator (sink included), ``-inf`` for rows that see nothing.
+    """
+    q_len, num_heads, _ = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    positions = (kv_len - q_len + torch.arange(q_len)).unsqueeze(1)
+    if alibi_slopes is not None:
+        distance = (torch.arange(kv_len).unsqueeze(0) - positions).float()  # j - p
+        scores = scores + alibi_slopes.float().view(-1, 1, 1) * distance
+    visible = visibility_mask(q_len, kv_len, causal, sliding_window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    row_max = scores.amax(dim=-1)
+    if s_aux is not None:
+        row_max = torch.maximum(row_max, s_aux.float().view(-1, 1))
+    # A row that sees nothing (and has no sink) keeps max -inf; shift by 0 to avoid NaN.
+    safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    probs = torch.exp(scores - safe_max.unsqueeze(-1))
+    denom = probs.sum(dim=-1)
+    if s_aux is not None:
+        denom = denom + torch.exp(s_aux.float().view(-1, 1) - safe_max)
+    numer = torch.einsum("hqk,khd->qhd", probs, v)
+    denom_t = denom.transpose(0, 1)  # [q_len, H]
+    out = torch.where(
+        denom_t.unsqueeze(-1) > 0, numer / denom_t.clamp_min(1e-38).unsqueeze(-1), 0.0
+    )
+    lse = torch.where(denom_t > 0, safe_max.transpose(0, 1) + torch.log(denom_t), float("-inf"))
+    return out, lse
+
+
+def _check_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    layout: Layout,
+    sliding_window: tuple[int, int],
+    alibi_slopes: torch.Tensor | None,
+    s_aux: torch.Tensor | None,
+) -> None:
+    num_blocks, num_kv_heads, block_size, head_size = _cache_geometry(key_cache, layout)
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape "
+            f"{tuple(key_cache.shape)}"
+        )
+    if query.dim() != 3 or query.shape[2] != head_size:
+        raise ValueError(
+            f"query must have shape [num_tokens, num_heads, {head_size}], got {tuple(query.shape)}"
+        )
+    num_heads = query.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+        )
+    num_reqs = seq_lens.numel()
+    if query_start_loc.numel() != num_reqs + 1:
+        raise ValueError(
+            f"query_start_loc must have num_reqs + 1 = {num_reqs + 1} entries, "
+            f"got {query_start_loc.numel()}"
+        )
+    if int(query_start_loc[-1]) > query.shape[0]:
+        raise ValueError(
+            f"query_start_loc[-1] ({int(query_start_loc[-1])}) exceeds num_tokens "
+            f"({query.shape[0]})"
+        )
+    if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"block_table must be [num_reqs={num_reqs}, max_blocks], got {tuple(block_table.shape)}"
+        )
+    if len(sliding_window) != 2:
+        raise ValueError(f"sliding_window must be a (left, right) pair, got {sliding_window!r}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("s_aux", s_aux)):
+        if t is not None and t.numel() != num_heads:
+            raise ValueError(f"{name} must have num_heads={num_heads} entries, got {t.numel()}")
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    for r in range(num_reqs):
+        q_len, kv_len = int(q_lens[r]), int(seq_lens[r])
+        if q_len < 0:
+            raise ValueError(f"query_start_loc must be non-decreasing, request {r} has {q_len}")
+        if kv_len < q_len:
+            raise ValueError(f"seq_lens[{r}] ({kv_len}) must be >= query length ({q_len})")
+        needed = -(-kv_len // block_size)
+        if needed > block_table.shape[1]:
+            raise ValueError(
+                f"request {r} needs {needed} blocks for seq_len {kv_len}, block_table has "
+                f"{block_table.shape[1]} columns"
+            )
+        used = block_table[r, :needed]
+        if needed and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+            raise ValueError(
+                f"block_table[{r}] holds block ids {used.tolist()} outside [0, {num_blocks})"
+            )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    sliding_window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
+    layout: Layout = "cpu",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a varlen batch of queries over a paged KV cache.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``; request ``r`` owns rows
+            ``query_start_loc[r]:query_start_loc[r+1]``.
+        key_cache, value_cache: paged caches in ``layout`` (module docstring).
+        query_start_loc: int ``[num_reqs + 1]``, non-decreasing.
+        seq_lens: int ``[num_reqs]``, total KV length per request including the new
+            tokens; must be ``>= query length``.
+        block_table: int ``[num_reqs, max_blocks]``, physical block of each logical block.
+        scale: multiplies ``q.k``.
+        causal: hide keys after the query's position.
+        sliding_window: ``(left, right)``; ``-1`` = unbounded on that side.
+        softcap: ``> 0`` applies ``softcap * tanh(s / softcap)`` to the scaled scores.
+        alibi_slopes: ``[num_heads]``; adds ``slope[h] * (j - p)`` after softcap.
+        s_aux: ``[num_heads]`` sink logits: add ``exp(s_aux[h] - m)`` to the denominator
+            only (a raw logit, neither scaled nor capped).
+        return_lse: also return the log-sum-exp ``[num_tokens, num_heads]`` float32
+            (log of the denominator, sink included; ``-inf`` where nothing is visible).
+            To merge partial results with :func:`merge_attn_states`, compute the parts
+            without sinks.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (rows past
+        ``query_start_loc[-1]`` are zero), and the LSE if asked.
+    """
+    _check_attention_args(
+        query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+        layout, sliding_window, alibi_slopes, s_aux,
+    )
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32)
+    starts = query_start_loc.tolist()
+    for r, kv_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[r], starts[r + 1]
+        if hi == lo:
+            continue
+        k = _gather_request_kv(key_cache, block_table[r], kv_len, layout)
+        v = _gather_request_kv(value_cache, block_table[r], kv_len, layout)
+        out[lo:hi], lse[lo:hi] = _attend_one_request(
+            query[lo:hi], k, v,
+            scale=scale, causal=causal, sliding_window=tuple(sliding_window),
+            softcap=softcap, alibi_slopes=alibi_slopes, s_aux=s_aux,
+        )
+    out = out.to(query.dtype)
+    return (out, lse) if return_lse else out
+
+
+def merge_attn_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attention results over disjoint key sets.
+
+    ``out_*``: ``[num_tokens, num_heads, head_size]``; ``lse_*``: ``[num_tokens,
+    num_heads]`` float32 (``-inf`` = that part saw no key). Returns the attention over
+    the union of the key sets and its LSE, computed in float32, output in ``out_a.dtype``.
+    """
+    if out_a.shape != out_b.shape:
+        raise ValueError(f"outputs differ in shape: {tuple(out_a.shape)} vs {tuple(out_b.shape)}")
+    if lse_a.shape != out_a.shape[:2] or lse_b.shape != out_a.shape[:2]:
+        raise ValueError(
+            f"lse must have shape {tuple(out_a.shape[:2])}, got {tuple(lse_a.shape)} and "
+            f"{tuple(lse_b.shape)}"
+        )
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    m = torch.maximum(lse_a, lse_b)
+    safe_m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w_a = torch.exp(lse_a - safe_m)
+    w_b = torch.exp(lse_b - safe_m)
+    total = w_a + w_b
+    merged = (w_a.unsqueeze(-1) * out_a.float() + w_b.unsqueeze(-1) * out_b.float())
+    merged = torch.where(total.unsqueeze(-1) > 0, merged / total.clamp_min(1e-38).unsqueeze(-1), 0.0)
+    lse = torch.where(total > 0, safe_m + torch.log(total), float("-inf"))
+    return merged.to(out_a.dtype), lse
+
+
+# --------------------------------------------------------- op-signature fallbacks (CPU)
+
+
+def cpu_attn_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    isa: str | None = None,
+) -> None:
+    """Reference of ``pagedattn.ops.cpu_attn_reshape_and_cache`` (``isa`` is ignored)."""
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layout="cpu")
+
+
+def cpu_attention_with_kv_cache(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    causal: bool,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: tuple[int, int],
+    block_table: torch.Tensor,
+    softcap: float,
+    scheduler_metadata: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
+) -> None:
+    """Reference of ``pagedattn.ops.cpu_attention_with_kv_cache``: fills
+    ``output[:query_start_loc[-1]]`` (``scheduler_metadata`` is ignored)."""
+    if output.shape != query.shape:
+        raise ValueError(
+            f"output shape {tuple(output.shape)} must equal query shape {tuple(query.shape)}"
+        )
+    result = paged_attention(
+        query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+        scale=scale, causal=causal, sliding_window=tuple(sliding_window), softcap=softcap,
+        alibi_slopes=alibi_slopes, s_aux=s_aux, layout="cpu",
+    )
+    n = int(query_start_loc[-1])
+    output[:n].copy_(result[:n])
+
+
+# -------------------------------------------------------- op-signature fallbacks (GPU)
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
+) -> None:
+    """Reference of ``reshape_and_cache_flash`` (flash layout ``[nb, bs, nkv, hs]``).
+
+    With an fp8 ``kv_cache_dtype`` the cache stores ``x / scale`` in fp8.
+    """
+    if kv_cache_dtype == "auto":
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layout="flash")
+        return
+    if kv_cache_dtype not in _FP8_CACHE_DTYPES:
+        valid = ["auto", *_FP8_CACHE_DTYPES]
+        raise ValueError(f"kv_cache_dtype must be one of {valid}, got {kv_cache_dtype!r}")
+    k = (key.float() / float(k_scale)).to(key_cache.dtype)
+    v = (value.float() / float(v_scale)).to(value_cache.dtype)
+    reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, layout="flash")
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    seqused_k: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    alibi_slopes: torch.Tensor | None,
+    window_size: tuple[int, int],
+    block_table: torch.Tensor,
+    softcap: float,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Reference of ``unified_attention`` over flash-layout caches ``k``/``v``
+    (``[nb, bs, nkv, hs]``); fp8 caches are dequantized with ``k_descale``/``v_descale``.
+    Fills ``out[:cu_seqlens_q[-1]]``."""
+    if q_descale is not None:
+        raise NotImplementedError("quantized queries (q_descale) are not supported")
+    key_cache = k.float() * (float(k_descale) if k_descale is not None else 1.0)
+    value_cache = v.float() * (float(v_descale) if v_descale is not None else 1.0)
+    result = paged_attention(
+        q.float(), key_cache, value_cache, cu_seqlens_q, seqused_k, block_table,
+        scale=softmax_scale, causal=causal, sliding_window=tuple(window_size),
+        softcap=softcap, alibi_slopes=alibi_slopes, s_aux=sinks, layout="flash",
+    )
+    n = int(cu_seqlens_q[-1])
+    out[:n].copy_(result[:n])
