@@ -1,0 +1,95 @@
+"""Backend registry: selection by name, by environment, by capability; errors list reasons."""
+
+import pytest
+import torch
+
+from pagedattn import registry
+from pagedattn.backend import AttentionBackend, AttentionType
+from pagedattn.registry import AttentionSelectorConfig, NoUsableBackendError
+
+
+class _FakeBackend(AttentionBackend):
+    supported_dtypes = [torch.float16]
+
+    @staticmethod
+    def get_name():
+        return "FAKE_FP16"
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError
+
+    @staticmethod
+    def get_builder_cls():
+        raise NotImplementedError
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def get_supported_head_sizes(cls):
+        return [64]
+
+
+@pytest.fixture
+def fake_backends(monkeypatch):
+    saved = dict(registry._REGISTRY)
+    monkeypatch.delenv(registry.BACKEND_ENV_VAR, raising=False)
+    registry.register_backend("FAKE_FP16", f"{__name__}:_FakeBackend", ("cpu",))
+    registry.register_backend("FAKE_MISSING", "pagedattn_no_such_module:Backend", ("cpu",))
+    registry.register_backend("FAKE_GPU", f"{__name__}:_FakeBackend", ("cuda",))
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+
+
+def cfg(**kw):
+    base = dict(head_size=64, dtype=torch.float16, block_size=16, device="cpu")
+    base.update(kw)
+    return AttentionSelectorConfig(**base)
+
+
+def test_cpu_attn_is_registered_first_and_selected_for_cpu_bf16():
+    assert registry.registered_backends()[0] == "CPU_ATTN"
+    chosen = registry.select_backend(cfg(head_size=128, dtype=torch.bfloat16))
+    assert chosen.get_name() == "CPU_ATTN"
+
+
+def test_selection_falls_through_priority_order(fake_backends):
+    # Both CPU_ATTN and FAKE_FP16 accept this config: the earlier registration wins.
+    assert registry.select_backend(cfg()).get_name() == "CPU_ATTN"
+    registry.unregister_backend("CPU_ATTN")
+    assert registry.select_backend(cfg()).get_name() == "FAKE_FP16"
+
+
+def test_no_usable_backend_lists_every_backend_with_reasons(fake_backends):
+    with pytest.raises(NoUsableBackendError) as info:
+        registry.select_backend(cfg(head_size=48, dtype=torch.float32, use_mla=True))
+    message = str(info.value)
+    assert "CPU_ATTN: head_size not supported, MLA not supported" in message
+    assert "FAKE_FP16: head_size not supported, dtype not supported, MLA not supported" in message
+    assert "FAKE_MISSING: not importable: ModuleNotFoundError" in message
+    assert "FAKE_GPU: device type cpu not supported (needs cuda)" in message
+
+
+def test_explicit_name_and_environment_variable(fake_backends, monkeypatch):
+    assert registry.select_backend(cfg(), backend="FAKE_FP16").get_name() == "FAKE_FP16"
+    monkeypatch.setenv(registry.BACKEND_ENV_VAR, "FAKE_FP16")
+    assert registry.select_backend(cfg()).get_name() == "FAKE_FP16"
+    with pytest.raises(NoUsableBackendError, match="PAGEDATTN_BACKEND=FAKE_FP16 cannot run this configuration: dtype not supported"):
+        registry.select_backend(cfg(dtype=torch.bfloat16))
+    monkeypatch.setenv(registry.BACKEND_ENV_VAR, "NOPE")
+    with pytest.raises(ValueError, match="unknown attention backend 'NOPE'; registered: CPU_ATTN"):
+        registry.select_backend(cfg())
+
+
+def test_attention_type_reason_and_bad_registrations(fake_backends):
+    reasons = registry.unsupported_reasons("FAKE_FP16", cfg(attn_type=AttentionType.ENCODER_ONLY))
+    assert reasons == ["attention type encoder_only not supported"]
+    with pytest.raises(ValueError, match="UPPER_CASE identifier"):
+        registry.register_backend("lower", "m:C", ("cpu",))
+    with pytest.raises(ValueError, match="module:Class"):
+        registry.register_backend("X", "no_colon", ("cpu",))
+    with pytest.raises(ValueError, match="invalid AttentionType 'cross'"):
+        cfg(attn_type="cross")
