@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, get_args
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, get_args
 
 import numpy as np
 import torch
@@ -35,9 +35,6 @@ from pagedattn.config import (
     _ParsableStrEnum,
 )
 from pagedattn.kv_cache_spec import AttentionSpec
-
-if TYPE_CHECKING:
-    VllmConfig = EngineConfig
 
 __all__ = [
     "AttentionBackend",
