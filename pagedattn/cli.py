@@ -1,0 +1,73 @@
+"""The ``pagedattn`` command.
+
+    pagedattn info      version, torch, CPU instruction set, every backend and whether
+                        it is usable on this machine (and why not)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import torch
+
+import pagedattn
+
+
+def _native_status() -> tuple[str, str]:
+    """(``native extension`` line, ``CPU ISA`` line)."""
+    from pagedattn import ops
+
+    if not ops.native_available():
+        return (f"not loaded ({ops.native_load_error()}); ops run the pure-PyTorch reference",
+                f"n/a (torch reports {torch.backends.cpu.get_cpu_capability()})")
+    detected = ops.detected_cpu_isa()
+    active = ops.get_cpu_isa()
+    isa = detected.value if active == detected else f"{active.value} (forced; CPU supports {detected.value})"
+    return "loaded", isa
+
+
+def _backend_rows(head_size: int, dtype: torch.dtype, block_size: int) -> list[tuple[str, str]]:
+    from pagedattn import registry
+
+    config = registry.default_selector_config(head_size, dtype, block_size=block_size)
+    rows = []
+    for name in registry.registered_backends():
+        reasons = registry.unsupported_reasons(name, config)
+        rows.append((name, "usable" if not reasons else "not usable: " + "; ".join(reasons)))
+    return rows
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    native, isa = _native_status()
+    print(f"pagedattn {pagedattn.__version__}")
+    print(f"torch     {torch.__version__}  (threads: {torch.get_num_threads()})")
+    print(f"python    {platform.python_version()}  ({platform.machine()})")
+    print(f"native    {native}")
+    print(f"CPU ISA   {isa}")
+    dtype = getattr(torch, args.dtype)
+    print(f"backends  (head_size={args.head_size}, dtype={args.dtype}, block_size={args.block_size}):")
+    for name, status in _backend_rows(args.head_size, dtype, args.block_size):
+        print(f"  {name:<18} {status}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedattn", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="show version, CPU ISA and usable backends")
+    info.add_argument("--head-size", type=int, default=128)
+    info.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    info.add_argument("--block-size", type=int, default=16)
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
