@@ -1,0 +1,309 @@
+// The paged-attention kernel template, written once over a vector-ops struct `VO`
+// (VecScalar / VecAvx2 / VecAvx512 / VecNeon). Each kernels_<isa>.cpp includes the standard
+// headers, then (under its #pragma GCC target) opens an anonymous namespace and includes its
+// vec header and this file, so every ISA gets private copies of everything here.
+//
+// Work item = (request, kv head, query-token tile, key range). Rows of the tile are
+// row = token * G + g for the G query heads sharing the kv head, so each K/V block is
+// streamed once for the whole GQA group (and all tokens of a short spec-decode query).
+// Per key block:  S = Q.K^T (fp32) -> scale, softcap, ALiBi, mask -> online softmax
+// (running max m, sum l, rescaled accumulators) -> acc += P.V.
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// q.k for up to 4 rows against one key; generic path converts to fp32 and FMAs.
+template <class VO, class T>
+struct QkGeneric {
+  using QElem = float;
+  using V = typename VO::V;
+  static void pack(const T* src, QElem* dst, int D) {
+    for (int d = 0; d < D; d += VO::W) VO::store(dst + d, VO::cvt_load(src + d));
+  }
+  template <int NR>
+  static void dot(const QElem* q, int ldq, const T* k, int D, float* out) {
+    V a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = VO::zero();
+    for (int d = 0; d < D; d += VO::W) {
+      const V kv = VO::cvt_load(k + d);
+#pragma GCC unroll 4
+      for (int i = 0; i < NR; ++i) a[i] = VO::fma(VO::load(q + i * ldq + d), kv, a[i]);
+    }
+    for (int i = 0; i < NR; ++i) out[i] = VO::hsum(a[i]);
+  }
+};
+
+// ISA TUs may specialize Qk (e.g. AVX512-BF16 dot products) before instantiating.
+template <class VO, class T>
+struct Qk : QkGeneric<VO, T> {};
+
+template <class VO, class T>
+struct AttnKernel {
+  using V = typename VO::V;
+  static constexpr int W = VO::W;
+
+  static const T* q_row(const AttnParams& p, int64_t tok, int64_t head) {
+    return static_cast<const T*>(p.q) + tok * p.q_stride_tok + head * p.q_stride_head;
+  }
+  static T* out_row(const AttnParams& p, int64_t tok, int64_t head) {
+    return static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+  }
+
+  // acc[0..RB) rows (stride D) += P[0..RB) rows (stride lds) . V[t0..t1)
+  template <int RB, int DB>
+  static void pv_tile(const float* P, int lds, const T* vb, int64_t vst, int t0, int t1,
+                      float* acc, int D, int d) {
+    V a[RB][DB];
+    for (int i = 0; i < RB; ++i)
+      for (int j = 0; j < DB; ++j) a[i][j] = VO::load(acc + i * D + d + j * W);
+    for (int t = t0; t < t1; ++t) {
+      const T* vt = vb + t * vst + d;
+      V v[DB];
+#pragma GCC unroll 8
+      for (int j = 0; j < DB; ++j) v[j] = VO::cvt_load(vt + j * W);
+#pragma GCC unroll 8
+      for (int i = 0; i < RB; ++i) {
+        const V pb = VO::set1(P[i * lds + t]);
+#pragma GCC unroll 8
+        for (int j = 0; j < DB; ++j) a[i][j] = VO::fma(pb, v[j], a[i][j]);
+      }
+    }
+    for (int i = 0; i < RB; ++i)
+      for (int j = 0; j < DB; ++j) VO::store(acc + i * D + d + j * W, a[i][j]);
+  }
+
+  template <int RB>
+  static void pv_rows(const float* P, int lds, const T* vb, int64_t vst, int t0, int t1,
+                      float* acc, int D) {
+    constexpr int DB = VO::kPvVecs;
+    int d = 0;
+    for (; d + DB * W <= D; d += DB * W) pv_tile<RB, DB>(P, lds, vb, vst, t0, t1, acc, D, d);
+    for (; d < D; d += W) pv_tile<RB, 1>(P, lds, vb, vst, t0, t1, acc, D, d);
+  }
+
+  static void pv(const float* P, int lds, int R, const T* vb, int64_t vst, int t0, int t1,
+                 float* acc, int D) {
+    constexpr int RB = VO::kPvRows;
+    int r = 0;
+    for (; r + RB <= R; r += RB) pv_rows<RB>(P + r * lds, lds, vb, vst, t0, t1, acc + r * D, D);
+    for (; r < R; ++r) pv_rows<1>(P + r * lds, lds, vb, vst, t0, t1, acc + r * D, D);
+  }
+
+  static void qk(const typename Qk<VO, T>::QElem* qp, int R, const T* kb, int64_t kst, int t0,
+                 int t1, float* S, int lds, int D) {
+    float tmp[4];
+    for (int t = t0; t < t1; ++t) {
+      const T* kt = kb + t * kst;
+      int r = 0;
+      for (; r + 4 <= R; r += 4) {
+        Qk<VO, T>::template dot<4>(qp + r * D, D, kt, D, tmp);
+        for (int i = 0; i < 4; ++i) S[(r + i) * lds + t] = tmp[i];
+      }
+      for (; r < R; ++r) {
+        Qk<VO, T>::template dot<1>(qp + r * D, D, kt, D, tmp);
+        S[r * lds + t] = tmp[0];
+      }
+    }
+  }
+
+  // out[0..D) = acc * f (converted to T); f == 0 writes zeros (never NaN from 0 * inf).
+  static void store_row(T* dst, const float* src, float f, int D) {
+    const V fv = VO::set1(f);
+    for (int d = 0; d < D; d += W) {
+      const V x = f == 0.f ? VO::zero() : VO::mul(VO::load(src + d), fv);
+      VO::cvt_store(dst + d, x);
+    }
+  }
+
+  static void run(const AttnParams& p, const WorkItem& it, float* scratch) {
+    const int D = p.head_size, BS = p.block_size;
+    const int G = p.num_heads / p.num_kv_heads;
+    const int64_t qs = p.query_start_loc[it.req];
+    const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
+    const int64_t kv_len = p.seq_lens[it.req];
+    const int ntok = it.q_end - it.q_begin;
+    const int R = ntok * G;
+    const int lds = (BS + 2 * W + 15) / 16 * 16;
+
+    using QElem = typename Qk<VO, T>::QElem;
+    float* acc = scratch;                                   // [R, D]
+    QElem* qp = reinterpret_cast<QElem*>(acc + R * D);      // [R, D]
+    float* S = acc + 2 * R * D;                             // [R, lds]
+    float* m = S + R * lds;                                 // [R] running max
+    float* l = m + R;                                       // [R] running sum
+    int64_t* lo = reinterpret_cast<int64_t*>(l + R);  // [R] first visible key (8-byte aligned)
+    int64_t* hi = lo + R;                                   // [R] last visible key
+    int64_t* pos = hi + R;                                  // [R] absolute query position
+
+    int64_t ulo = INT64_MAX, uhi = -1;  // union of the rows' visible ranges
+    for (int t = 0; t < ntok; ++t) {
+      const int64_t ps = kv_len - q_len + it.q_begin + t;
+      int64_t a = it.kv_begin, b = static_cast<int64_t>(it.kv_end) - 1;
+      if (p.causal) b = std::min(b, ps);
+      if (p.window_left >= 0) a = std::max(a, ps - p.window_left);
+      if (p.window_right >= 0) b = std::min(b, ps + p.window_right);
+      if (a <= b) {
+        ulo = std::min(ulo, a);
+        uhi = std::max(uhi, b);
+      }
+      for (int g = 0; g < G; ++g) {
+        const int r = t * G + g;
+        Qk<VO, T>::pack(q_row(p, qs + it.q_begin + t, it.kv_head * G + g), qp + r * D, D);
+        m[r] = kNegInf;
+        l[r] = 0.f;
+        lo[r] = a;
+        hi[r] = b;
+        pos[r] = ps;
+        for (int d = 0; d < D; d += W) VO::store(acc + r * D + d, VO::zero());
+      }
+    }
+
+    if (ulo <= uhi) {
+      const int32_t* bt = p.block_table + it.req * p.bt_stride;
+      const T* kbase = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
+      const T* vbase = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
+      for (int64_t blk = ulo / BS; blk <= uhi / BS; ++blk) {
+        const int64_t base = blk * BS;
+        const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
+        const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, BS));
+        const int64_t phys = bt[blk];
+        const T* kb = kbase + phys * p.k_stride_block;
+        const T* vb = vbase + phys * p.v_stride_block;
+        qk(qp, R, kb, p.k_stride_tok, t0, t1, S, lds, D);
+        for (int r = 0; r < R; ++r) softmax_row(p, it, r, G, S + r * lds, base, t0, t1, lo[r],
+                                                hi[r], pos[r], m, l, acc + r * D, D);
+        pv(S, lds, R, vb, p.v_stride_tok, t0, t1, acc, D);
+      }
+    }
+
+    if (it.part_out == nullptr) {
+      for (int r = 0; r < R; ++r) {
+        const int h = it.kv_head * G + r % G;
+        float f = 0.f;
+        float mm = m[r];
+        float denom = l[r];
+        if (p.sink != nullptr) {
+          const float sk = p.sink[h];
+          const float mx = std::max(mm, sk);
+          if (mx != kNegInf) {
+            denom = (mm == kNegInf ? 0.f : l[r] * std::exp(mm - mx)) + std::exp(sk - mx);
+            if (mm != kNegInf && denom > 0.f) f = std::exp(mm - mx) / denom;
+          }
+        } else if (denom > 0.f) {
+          f = 1.f / denom;
+        }
+        store_row(out_row(p, qs + it.q_begin + r / G, h), acc + r * D, f, D);
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const bool any = l[r] > 0.f;
+        it.part_lse[r] = any ? m[r] + std::log(l[r]) : kNegInf;
+        const V fv = VO::set1(any ? 1.f / l[r] : 0.f);
+        for (int d = 0; d < D; d += W)
+          VO::store(it.part_out + r * D + d, any ? VO::mul(VO::load(acc + r * D + d), fv) : VO::zero());
+      }
+    }
+  }
+
+  // Turns raw scores s[t0..t1) of one row into probabilities relative to the updated
+  // running max, and rescales the row's accumulator and sum.
+  static void softmax_row(const AttnParams& p, const WorkItem& it, int r, int G, float* s,
+                          int64_t base, int t0, int t1, int64_t lo, int64_t hi, int64_t ps,
+                          float* m, float* l, float* acc, int D) {
+    const int tl = static_cast<int>(std::max<int64_t>(t0, lo - base));
+    const int th = static_cast<int>(std::min<int64_t>(t1 - 1, hi - base));
+    if (tl > th) {  // nothing visible for this row in this block
+      for (int t = t0; t < t1; ++t) s[t] = 0.f;
+      return;
+    }
+    const float scale = p.scale;
+    if (p.softcap > 0.f) {
+      const float cap = p.softcap, inv = 1.f / p.softcap;
+      for (int t = tl; t <= th; ++t) s[t] = cap * std::tanh(s[t] * scale * inv);
+    } else {
+      for (int t = tl; t <= th; ++t) s[t] *= scale;
+    }
+    if (p.alibi != nullptr) {
+      const float slope = p.alibi[it.kv_head * G + r % G];
+      for (int t = tl; t <= th; ++t) s[t] += slope * static_cast<float>(base + t - ps);
+    }
+    float mx = kNegInf;
+    for (int t = tl; t <= th; ++t) mx = std::max(mx, s[t]);
+    for (int t = t0; t < tl; ++t) s[t] = kNegInf;
+    for (int t = th + 1; t < t1 + W; ++t) s[t] = kNegInf;  // also the vector tail
+
+    const float m_old = m[r];
+    const float m_new = std::max(m_old, mx);
+    const float corr = m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
+    V sum = VO::zero();
+    for (int t = t0; t < t1; t += W) {
+      const V e = VO::exp(VO::add(VO::load(s + t), VO::set1(-m_new)));
+      VO::store(s + t, e);
+      sum = VO::add(sum, e);
+    }
+    l[r] = l[r] * corr + VO::hsum(sum);
+    m[r] = m_new;
+    if (corr != 1.f) {
+      const V cv = VO::set1(corr);
+      for (int d = 0; d < D; d += W) VO::store(acc + d, VO::mul(VO::load(acc + d), cv));
+    }
+  }
+
+  // Log-sum-exp merge of nsplit partials (plus the sink) into the output rows.
+  static void merge(const AttnParams& p, const WorkItem& it, int nsplit, int64_t split_stride,
+                    int64_t lse_stride) {
+    const int D = p.head_size;
+    const int G = p.num_heads / p.num_kv_heads;
+    const int64_t qs = p.query_start_loc[it.req];
+    const int R = (it.q_end - it.q_begin) * G;
+    for (int r = 0; r < R; ++r) {
+      const int h = it.kv_head * G + r % G;
+      float mx = p.sink != nullptr ? p.sink[h] : kNegInf;
+      for (int s = 0; s < nsplit; ++s) mx = std::max(mx, it.part_lse[s * lse_stride + r]);
+      T* dst = out_row(p, qs + it.q_begin + r / G, h);
+      if (mx == kNegInf) {
+        for (int d = 0; d < D; d += W) VO::cvt_store(dst + d, VO::zero());
+        continue;
+      }
+      float denom = p.sink != nullptr ? std::exp(p.sink[h] - mx) : 0.f;
+      float wts[64];
+      for (int s = 0; s < nsplit; ++s) {
+        const float lse = it.part_lse[s * lse_stride + r];
+        wts[s] = lse == kNegInf ? 0.f : std::exp(lse - mx);
+        denom += wts[s];
+      }
+      for (int d = 0; d < D; d += W) {
+        V a = VO::zero();
+        for (int s = 0; s < nsplit; ++s)
+          if (wts[s] != 0.f)
+            a = VO::fma(VO::set1(wts[s]), VO::load(it.part_out + s * split_stride + r * D + d), a);
+        VO::cvt_store(dst + d, denom > 0.f ? VO::mul(a, VO::set1(1.f / denom)) : VO::zero());
+      }
+    }
+  }
+};
+
+constexpr int kMaxSplits = 64;  // merge keeps per-split weights on the stack
+
+template <class VO>
+void attn_item_entry(const AttnParams& p, const WorkItem& it, float* scratch) {
+  switch (p.dtype) {
+    case DType::kF32: AttnKernel<VO, float>::run(p, it, scratch); break;
+    case DType::kBF16: AttnKernel<VO, bf16_t>::run(p, it, scratch); break;
+    case DType::kF16: AttnKernel<VO, fp16_t>::run(p, it, scratch); break;
+  }
+}
+
+template <class VO>
+void merge_entry(const AttnParams& p, const WorkItem& it, int32_t nsplit, int64_t split_stride,
+                 int64_t lse_stride) {
+  switch (p.dtype) {
+    case DType::kF32: AttnKernel<VO, float>::merge(p, it, nsplit, split_stride, lse_stride); break;
+    case DType::kBF16: AttnKernel<VO, bf16_t>::merge(p, it, nsplit, split_stride, lse_stride); break;
+    case DType::kF16: AttnKernel<VO, fp16_t>::merge(p, it, nsplit, split_stride, lse_stride); break;
+  }
+}
+
+template <class VO>
+KernelTable make_kernel_table(const char* name) {
+  return KernelTable{name, &attn_item_entry<VO>, &merge_entry<VO>};
+}

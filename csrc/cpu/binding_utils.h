@@ -1,0 +1,67 @@
+// Shared helpers of the binding TUs (torch headers allowed here; never include this from a
+// kernels_<isa>.cpp). Every check raises a Python exception that names the offending value:
+// TypeError for dtypes, NotImplementedError for hardware the CPU lacks, ValueError otherwise.
+#pragma once
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "isa_generated.h"
+#include "kernel_api.h"
+
+namespace pagedattn {
+
+// Head sizes the kernels are instantiated and tested for (all multiples of 16).
+constexpr int64_t kSupportedHeadSizes[] = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256};
+constexpr const char* kSupportedHeadSizeList = "32, 64, 80, 96, 112, 128, 160, 192, 224, 256";
+constexpr int64_t kMaxBlockSize = 256;
+
+// ISA state (isa_dispatch.cpp).
+bool cpu_isa_supported(CpuIsa isa);
+CpuIsa current_cpu_isa();  // raises if PAGEDATTN_CPU_ISA named an unusable ISA
+const KernelTable* current_kernels();
+// Validates a hint code (range, availability on this CPU) and returns it.
+IsaHint check_isa_hint(int64_t code, const char* op);
+
+inline DType to_dtype(at::ScalarType t, const char* what) {
+  switch (t) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf: return DType::kF16;
+    default:
+      TORCH_CHECK_TYPE(false, what, " must be float32, bfloat16 or float16, got ", t);
+  }
+  return DType::kF32;
+}
+
+inline void check_head_size(int64_t hs, const char* what) {
+  for (int64_t s : kSupportedHeadSizes)
+    if (s == hs) return;
+  TORCH_CHECK_VALUE(false, what, " head_size ", hs, " is not supported; supported: ",
+                    kSupportedHeadSizeList);
+}
+
+inline void check_block_size(int64_t bs, IsaHint hint, const char* what) {
+  TORCH_CHECK_VALUE(bs == 16 || (bs % 32 == 0 && bs > 0 && bs <= kMaxBlockSize), what,
+                    " block_size ", bs, " is not supported; expected 16 or a multiple of 32 up to ",
+                    kMaxBlockSize);
+  const int64_t mult = isa_hint_block_multiple(static_cast<int64_t>(hint));
+  TORCH_CHECK_VALUE(bs % mult == 0, what, " block_size ", bs, " does not suit isa hint '",
+                    isa_hint_name(static_cast<int64_t>(hint)), "', which needs a multiple of ",
+                    mult);
+}
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+}
+
+inline void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dt,
+                               int64_t dim) {
+  check_cpu(t, name);
+  TORCH_CHECK_TYPE(t.scalar_type() == dt, name, " must have dtype ", dt, ", got ",
+                   t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,97 @@
+// cpu_attn_reshape_and_cache: scatter new keys/values into the paged cache (natural layout:
+// key_cache[b, h, o, :] is the key of slot b * block_size + o). A plain row copy, so it
+// needs no ISA-specific code; all validation happens before the first write.
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "binding_utils.h"
+
+namespace pagedattn {
+
+static void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  check_cpu(key_cache, "key_cache");
+  check_cpu(value_cache, "value_cache");
+  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be 4-D [num_blocks, num_kv_heads, ",
+                    "block_size, head_size], got shape ", key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ",
+                    value_cache.sizes(), " must equal key_cache shape ", key_cache.sizes());
+  TORCH_CHECK_TYPE(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
+                   value_cache.scalar_type(), " must equal key_cache dtype ",
+                   key_cache.scalar_type());
+  to_dtype(key_cache.scalar_type(), "key_cache");
+  for (const auto* t : {&key_cache, &value_cache})
+    TORCH_CHECK_VALUE(t->size(3) <= 1 || t->stride(3) == 1, "kv cache last dim must be contiguous, ",
+                      "got strides ", t->strides());
+}
+
+void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
+                                at::Tensor& key_cache, at::Tensor& value_cache,
+                                const at::Tensor& slot_mapping, int64_t isa) {
+  const IsaHint hint = check_isa_hint(isa, "cpu_attn_reshape_and_cache");
+  check_cache_pair(key_cache, value_cache);
+  check_cpu(key, "key");
+  check_cpu(value, "value");
+  TORCH_CHECK_VALUE(key.dim() == 3, "key must be 3-D [num_tokens, num_kv_heads, head_size], got shape ",
+                    key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value shape ", value.sizes(),
+                    " must equal key shape ", key.sizes());
+  TORCH_CHECK_TYPE(key.scalar_type() == key_cache.scalar_type() &&
+                       value.scalar_type() == key_cache.scalar_type(),
+                   "key/value dtypes (", key.scalar_type(), ", ", value.scalar_type(),
+                   ") must equal the cache dtype ", key_cache.scalar_type());
+  const int64_t num_blocks = key_cache.size(0), kvh = key_cache.size(1);
+  const int64_t bs = key_cache.size(2), hs = key_cache.size(3);
+  TORCH_CHECK_VALUE(key.size(1) == kvh && key.size(2) == hs, "key shape ", key.sizes(),
+                    " does not match the cache's num_kv_heads ", kvh, " and head_size ", hs);
+  check_head_size(hs, "kv cache");
+  check_block_size(bs, hint, "kv cache");
+  for (const auto* t : {&key, &value})
+    TORCH_CHECK_VALUE(t->size(2) <= 1 || t->stride(2) == 1,
+                      "key/value last dim must be contiguous, got strides ", t->strides());
+  check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1);
+  const int64_t n = slot_mapping.numel();
+  TORCH_CHECK_VALUE(n <= key.size(0), "slot_mapping has ", n, " entries but key has only ",
+                    key.size(0), " tokens");
+
+  const at::Tensor slots_c = slot_mapping.contiguous();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  const int64_t num_slots = num_blocks * bs;
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_VALUE(slots[i] < num_slots, "slot_mapping[", i, "] (", slots[i],
+                      ") is out of range for a cache of ", num_blocks, " blocks x ", bs,
+                      " slots (max ", num_slots - 1, "; negative = padding)");
+  if (n == 0) return;
+
+  const int64_t es = key.element_size();
+  const auto* kp = static_cast<const char*>(key.data_ptr());
+  const auto* vp = static_cast<const char*>(value.data_ptr());
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t row = hs * es;
+  at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;  // PAD_SLOT_ID
+      const int64_t blk = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < kvh; ++h) {
+        std::memcpy(kc + (blk * key_cache.stride(0) + h * key_cache.stride(1) + off * key_cache.stride(2)) * es,
+                    kp + (i * key.stride(0) + h * key.stride(1)) * es, row);
+        std::memcpy(vc + (blk * value_cache.stride(0) + h * value_cache.stride(1) + off * value_cache.stride(2)) * es,
+                    vp + (i * value.stride(0) + h * value.stride(1)) * es, row);
+      }
+    }
+  });
+}
+
+}  // namespace pagedattn
+
+TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
+  m.def(
+      "cpu_attn_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, int isa) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {
+  m.impl("cpu_attn_reshape_and_cache", &pagedattn::cpu_attn_reshape_and_cache);
+}

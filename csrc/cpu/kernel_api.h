@@ -1,0 +1,74 @@
+// Torch-free interface between the binding layer (torch headers, baseline ISA) and the
+// ISA-specific kernel translation units (kernels_<isa>.cpp, compiled with #pragma GCC target).
+// Keeping torch out of the ISA TUs matters: an inline torch function compiled there with
+// AVX-512 could be the copy the linker keeps for every caller (ODR), crashing older CPUs.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace pagedattn {
+
+enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Element tags for 16-bit storage types (raw bits).
+struct bf16_t { uint16_t bits; };
+struct fp16_t { uint16_t bits; };
+
+// Everything a work item needs, already validated by the binding layer. Strides are in
+// elements; the last (head_size) dimension of every tensor is contiguous.
+struct AttnParams {
+  DType dtype;
+  const void* q;           // [num_tokens, num_heads, head_size]
+  int64_t q_stride_tok, q_stride_head;
+  void* out;               // [num_tokens, num_heads, head_size]
+  int64_t o_stride_tok, o_stride_head;
+  const void* k_cache;     // [num_blocks, num_kv_heads, block_size, head_size]
+  const void* v_cache;
+  int64_t k_stride_block, k_stride_head, k_stride_tok;
+  int64_t v_stride_block, v_stride_head, v_stride_tok;
+  const int32_t* block_table;  // [num_reqs, bt_stride] (row stride in elements)
+  int64_t bt_stride;
+  const int32_t* query_start_loc;  // [num_reqs + 1]
+  const int32_t* seq_lens;         // [num_reqs]
+  int32_t head_size, block_size, num_heads, num_kv_heads;
+  float scale;
+  float softcap;        // 0: off
+  const float* alibi;   // [num_heads] fp32 or nullptr
+  const float* sink;    // [num_heads] fp32 or nullptr (raw logits)
+  int64_t window_left, window_right;  // -1: unbounded
+  bool causal;
+};
+
+// One unit of parallel work: query tokens [q_begin, q_end) (offsets inside the request)
+// of every query head mapped to kv head `kv_head`, against key positions [kv_begin, kv_end).
+// With part_out == nullptr the item covers the whole key range and writes the output;
+// otherwise it writes a normalized partial result and its log-sum-exp for a later merge:
+//   part_out [rows, head_size] fp32, part_lse [rows] fp32 (-inf: no visible key),
+// where row = (token - q_begin) * group + (head - kv_head * group).
+struct WorkItem {
+  int32_t req, kv_head;
+  int32_t q_begin, q_end;
+  int32_t kv_begin, kv_end;
+  float* part_out;
+  float* part_lse;
+};
+
+struct KernelTable {
+  const char* name;
+  // Runs one item; scratch holds at least attn_scratch_floats(rows, head_size, block_size).
+  void (*attn_item)(const AttnParams& p, const WorkItem& item, float* scratch);
+  // Merges `nsplit` partials of one query tile (item.part_out/part_lse point at split 0,
+  // consecutive splits `split_stride` floats / `rows_stride` floats apart) into the output.
+  void (*merge)(const AttnParams& p, const WorkItem& item, int32_t nsplit,
+                int64_t split_stride, int64_t lse_split_stride);
+};
+
+// Scratch each thread needs for items of up to `max_rows` rows (same formula in every ISA).
+inline size_t attn_scratch_floats(int64_t max_rows, int64_t head_size, int64_t block_size) {
+  const int64_t pad = 64;  // vector-width padding of every row (covers 16-lane vectors)
+  return static_cast<size_t>(max_rows * (head_size + pad) * 2 +   // packed q + accumulators
+                             max_rows * (block_size + pad) +      // scores / probabilities
+                             max_rows * 8 + 1024);                // per-row softmax state
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,30 @@
+// AVX2 + FMA + F16C kernels, compiled for that target only in this TU (chosen at run time).
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "isa_generated.h"
+#include "kernel_api.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace pagedattn {
+namespace {
+#include "vec_scalar.h"
+#include "vec_avx2.h"
+#include "attn_kernel_impl.h"
+}  // namespace
+
+const KernelTable* kernels_avx2() {
+  static const KernelTable table = make_kernel_table<VecAvx2>("avx2");
+  return &table;
+}
+
+}  // namespace pagedattn
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,30 @@
+// AVX-512 (F/BW/VL/DQ) kernels without BF16 dot products; fp32 FMA for every dtype.
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "isa_generated.h"
+#include "kernel_api.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace pagedattn {
+namespace {
+#include "vec_scalar.h"
+#include "vec_avx512.h"
+#include "attn_kernel_impl.h"
+}  // namespace
+
+const KernelTable* kernels_avx512() {
+  static const KernelTable table = make_kernel_table<VecAvx512>("avx512");
+  return &table;
+}
+
+}  // namespace pagedattn
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,296 @@
+"""Public paged-attention ops (CPU): thin, validated wrappers over ``torch.ops.pagedattn``.
+
+Cache layout (natural, every backend's reference can read it)::
+
+    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_size]
+    key_cache[b, h, o, :] = key of the token in slot b * block_size + o
+
+Batches are varlen: request ``r`` owns query rows ``query_start_loc[r]:query_start_loc[r+1]``
+and ``seq_lens[r]`` keys (context + new tokens); query ``i`` of it sits at absolute position
+``seq_lens[r] - q_len + i`` (SPEC.md "Attention semantics").
+
+Instruction sets: the native kernels pick the best ISA of the CPU at run time
+(``avx512bf16 > avx512 > avx2 > scalar`` on x86, ``neon`` on Arm). ``PAGEDATTN_CPU_ISA``
+(read once) forces a lower one; :func:`use_cpu_isa` switches in-process (tests).
+The ``isa`` arguments take vLLM's kernel-variant hints (``vec``, ``vec16``, ``neon``,
+``amx``); :func:`select_cpu_isa_hint` picks one.
+
+Without the native extension every op falls back to :mod:`pagedattn.ops.reference`
+(one warning).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from pagedattn.ops import _native
+from pagedattn.ops._native import metadata_numel
+from pagedattn.ops.isa import (
+    METADATA_HEADER,
+    METADATA_MAGIC,
+    METADATA_VERSION,
+    CpuIsa,
+    IsaHint,
+)
+
+__all__ = [
+    "CpuIsa", "IsaHint", "native_available", "supported_cpu_isas", "best_cpu_isa",
+    "get_cpu_isa", "set_cpu_isa", "use_cpu_isa", "cpu_has_amx", "select_cpu_isa_hint",
+    "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
+    "cpu_attention_with_kv_cache", "metadata_numel",
+]
+
+_warned_fallback = False
+
+
+def native_available() -> bool:
+    """True when the native extension ``pagedattn._C`` is built and loaded."""
+    return _native.AVAILABLE
+
+
+def _fallback(op: str):
+    """The reference module, after warning (once per process) that it is used."""
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(
+            f"pagedattn native CPU kernels unavailable ({_native.LOAD_ERROR}); {op} and the "
+            "other ops use the slow pure-PyTorch reference. Rebuild with "
+            "`pip install --no-build-isolation -e .`",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    from pagedattn.ops import reference
+
+    return reference
+
+
+# ------------------------------------------------------------------ instruction sets
+
+
+def supported_cpu_isas() -> list[CpuIsa]:
+    """ISAs this CPU and build can execute, in code order (``scalar`` always included)."""
+    if not native_available():
+        return []
+    return [CpuIsa.from_code(c) for c in torch.ops.pagedattn.supported_cpu_isas()]
+
+
+def best_cpu_isa() -> CpuIsa:
+    """The ISA the kernels use by default on this CPU (ignoring ``PAGEDATTN_CPU_ISA``)."""
+    _require_native("best_cpu_isa")
+    return CpuIsa.from_code(torch.ops.pagedattn.best_cpu_isa())
+
+
+def get_cpu_isa() -> CpuIsa:
+    """The ISA the kernels use now. Raises NotImplementedError if ``PAGEDATTN_CPU_ISA``
+    names an ISA this CPU lacks (until :func:`set_cpu_isa` picks a valid one)."""
+    _require_native("get_cpu_isa")
+    return CpuIsa.from_code(torch.ops.pagedattn.get_cpu_isa())
+
+
+def set_cpu_isa(isa: str | CpuIsa) -> None:
+    """Switch the kernels' ISA for the whole process (ValueError: unknown name;
+    NotImplementedError: this CPU cannot execute it)."""
+    parsed = CpuIsa.parse(isa)
+    _require_native("set_cpu_isa")
+    torch.ops.pagedattn.set_cpu_isa(parsed.code)
+
+
+@contextlib.contextmanager
+def use_cpu_isa(isa: str | CpuIsa) -> Iterator[CpuIsa]:
+    """Run the enclosed ops with ``isa``, then restore the previous one. Not thread-safe:
+    the ISA is process-wide."""
+    previous = get_cpu_isa()
+    set_cpu_isa(isa)
+    try:
+        yield CpuIsa.parse(isa)
+    finally:
+        set_cpu_isa(previous)
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (the ``amx`` hint needs them)."""
+    return native_available() and bool(torch.ops.pagedattn.cpu_has_amx())
+
+
+def _require_native(what: str) -> None:
+    if not native_available():
+        raise RuntimeError(f"{what} needs the native extension: {_native.LOAD_ERROR}")
+
+
+def _on_arm() -> bool:
+    import platform
+
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
+def select_cpu_isa_hint(block_size: int, dtype: torch.dtype) -> str:
+    """The kernel-variant hint for a cache of ``block_size`` and ``dtype``:
+    ``amx`` (bf16, block % 32 == 0, CPU with AMX), ``neon`` on Arm, else ``vec``
+    (block % 32 == 0) or ``vec16`` (block % 16 == 0). ValueError for other block sizes."""
+    if block_size <= 0 or block_size % 16 != 0:
+        raise ValueError(
+            f"block_size {block_size} is not supported by the CPU kernels; expected 16 or a "
+            "multiple of 32 (up to 256)"
+        )
+    if _on_arm():
+        return IsaHint.NEON.value
+    if dtype == torch.bfloat16 and block_size % 32 == 0 and cpu_has_amx():
+        return IsaHint.AMX.value
+    return IsaHint.VEC.value if block_size % 32 == 0 else IsaHint.VEC16.value
+
+
+def _parse_hint(isa: str | IsaHint) -> IsaHint:
+    hint = IsaHint.parse(isa)
+    if hint is IsaHint.AMX and not cpu_has_amx():
+        raise NotImplementedError(
+            "isa hint 'amx' needs a CPU with AMX tiles; this CPU has none (use 'vec' or 'vec16')"
+        )
+    if hint is IsaHint.NEON and not _on_arm():
+        raise NotImplementedError(
+            "isa hint 'neon' is only available on Arm (aarch64) CPUs (use 'vec' or 'vec16')"
+        )
+    return hint
+
+
+# ------------------------------------------------------------------ ops
+
+
+def cpu_attn_get_scheduler_metadata(
+    num_reqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_lens: torch.Tensor,
+    dtype: torch.dtype,
+    query_start_loc: torch.Tensor,
+    causal: bool,
+    sliding_window_size: int,
+    isa: str | IsaHint,
+    enable_kv_split: bool,
+) -> torch.Tensor:
+    """Plan the work partition of one step; reuse the result for every layer of the step.
+
+    Args:
+        num_reqs: requests in the batch.
+        num_heads, num_kv_heads, head_dim: attention geometry (GQA: heads % kv_heads == 0).
+        seq_lens: int32 ``[num_reqs]`` total key length per request (context + new).
+        dtype: query/cache dtype (float32, bfloat16, float16).
+        query_start_loc: int32 ``[num_reqs + 1]``, non-decreasing, starts at 0.
+        causal: whether the layers are causal.
+        sliding_window_size: layer window as ``left + 1``, ``-1`` = none. A load-balancing
+            hint only: results never depend on it.
+        isa: kernel-variant hint (``vec``, ``vec16``, ``neon``, ``amx``).
+        enable_kv_split: allow splitting long key ranges over threads (decode).
+
+    Returns:
+        Opaque int32 tensor of :func:`metadata_numel(num_reqs)` elements. It records
+        ``torch.get_num_threads()``; the attention op rejects it if that changed.
+    """
+    hint = _parse_hint(isa)
+    if not native_available():
+        _fallback("cpu_attn_get_scheduler_metadata")
+        meta = torch.zeros(metadata_numel(num_reqs), dtype=torch.int32)
+        header = dict(magic=METADATA_MAGIC, version=METADATA_VERSION, num_reqs=num_reqs,
+                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      num_threads=torch.get_num_threads(), hint=hint.code, causal=int(causal),
+                      enable_kv_split=int(enable_kv_split), q_tile_tokens=1)
+        meta[: len(METADATA_HEADER)] = torch.tensor([header[k] for k in METADATA_HEADER])
+        return meta
+    return torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(
+        int(num_reqs), int(num_heads), int(num_kv_heads), int(head_dim), seq_lens, dtype,
+        query_start_loc, bool(causal), int(sliding_window_size), hint.code,
+        bool(enable_kv_split),
+    )
+
+
+def cpu_attn_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    isa: str | IsaHint,
+) -> None:
+    """Write new keys/values into the paged cache, in place.
+
+    Args:
+        key, value: ``[T, num_kv_heads, head_size]`` (last dim contiguous; token/head
+            strides free). Only the first ``slot_mapping.numel()`` tokens are written.
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``,
+            same dtype as key/value; token ``t`` goes to block ``slot // block_size``,
+            offset ``slot % block_size``.
+        slot_mapping: int64 ``[n]``; ``-1`` (PAD_SLOT_ID, any negative) skips the token;
+            ``slot >= num_blocks * block_size`` raises. Duplicate slots: unspecified winner.
+        isa: kernel-variant hint; its block-size multiple is checked against the cache.
+    """
+    hint = _parse_hint(isa)
+    if not native_available():
+        _fallback("cpu_attn_reshape_and_cache").cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, hint.value)
+        return
+    torch.ops.pagedattn.cpu_attn_reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, hint.code)
+
+
+def _window_pair(sliding_window: Sequence[int]) -> tuple[int, int]:
+    if (not isinstance(sliding_window, (tuple, list)) or len(sliding_window) != 2
+            or not all(isinstance(w, int) and w >= -1 for w in sliding_window)):
+        raise ValueError(
+            f"sliding_window must be a (left, right) pair of ints >= -1 (-1 = unbounded), "
+            f"got {sliding_window!r}"
+        )
+    return int(sliding_window[0]), int(sliding_window[1])
+
+
+def cpu_attention_with_kv_cache(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    causal: bool,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: tuple[int, int],
+    block_table: torch.Tensor,
+    softcap: float,
+    scheduler_metadata: torch.Tensor,
+    s_aux: torch.Tensor | None,
+) -> None:
+    """Paged attention of a varlen batch; writes ``output[:query_start_loc[-1]]`` in place.
+
+    Args:
+        query, output: ``[num_tokens, num_heads, head_size]`` float32/bfloat16/float16;
+            heads packed per token (``stride(1) == head_size``), any token stride (slices
+            like ``query[:n]`` are fine). Rows past ``query_start_loc[-1]`` are untouched.
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, same
+            dtype; block_size 16 or a multiple of 32 up to 256; head_size one of
+            32, 64, 80, 96, 112, 128, 160, 192, 224, 256.
+        query_start_loc: int32 ``[num_reqs + 1]``; seq_lens: int32 ``[num_reqs]``
+            (``>= query length``).
+        scale: multiplies ``q.k``. causal: hide keys after the query position.
+        alibi_slopes: float32 ``[num_heads]`` or None; adds ``slope[h] * (j - p)``.
+        sliding_window: ``(left, right)``, ``-1`` = unbounded on that side.
+        block_table: int32 ``[>= num_reqs, max_blocks]``; only blocks a request reads are
+            checked against ``num_blocks``.
+        softcap: ``> 0`` applies ``softcap * tanh(s / softcap)``; ``0`` = off.
+        scheduler_metadata: from :func:`cpu_attn_get_scheduler_metadata` for this batch.
+        s_aux: float32/bfloat16 ``[num_heads]`` sink logits or None.
+    """
+    left, right = _window_pair(sliding_window)
+    if not native_available():
+        _fallback("cpu_attention_with_kv_cache").cpu_attention_with_kv_cache(
+            query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
+            alibi_slopes, (left, right), block_table, softcap, scheduler_metadata, s_aux)
+        return
+    torch.ops.pagedattn.cpu_attention_with_kv_cache(
+        query, key_cache, value_cache, output, query_start_loc, seq_lens, float(scale),
+        bool(causal), alibi_slopes, left, right, block_table, float(softcap),
+        scheduler_metadata, s_aux,
+    )

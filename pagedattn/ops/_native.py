@@ -1,0 +1,51 @@
+"""Loading of the native extension ``pagedattn._C`` and the fake (meta) implementations of
+its ops, so they trace under ``torch.compile`` / ``torch.library.opcheck``.
+
+Importing ``pagedattn._C`` runs its ``TORCH_LIBRARY`` registrations; the ops then live in
+``torch.ops.pagedattn``. If the extension is missing or fails to load, :data:`AVAILABLE` is
+False and :data:`LOAD_ERROR` says why (the public wrappers fall back to the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedattn.ops.isa import METADATA_FIELDS_PER_REQ, METADATA_HEADER
+
+AVAILABLE = False
+LOAD_ERROR: str | None = None
+
+try:
+    from pagedattn import _C  # noqa: F401  (registers torch.ops.pagedattn.*)
+
+    AVAILABLE = hasattr(torch.ops.pagedattn, "cpu_attention_with_kv_cache")
+    if not AVAILABLE:
+        LOAD_ERROR = "pagedattn._C loaded but registered no attention op"
+except ImportError as exc:  # not built, or built against another torch
+    LOAD_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def metadata_numel(num_reqs: int) -> int:
+    """Length of the int32 scheduler-metadata tensor for ``num_reqs`` requests."""
+    return len(METADATA_HEADER) + len(METADATA_FIELDS_PER_REQ) * num_reqs
+
+
+if AVAILABLE:
+
+    @torch.library.register_fake("pagedattn::cpu_attn_get_scheduler_metadata")
+    def _metadata_fake(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype,
+                       query_start_loc, causal, sliding_window_size, isa, enable_kv_split):
+        return seq_lens.new_empty((metadata_numel(num_reqs),), dtype=torch.int32)
+
+    # The two mutating ops return nothing: their fakes only have to exist (the mutation is
+    # declared in the schema with Tensor(a!), which functionalization relies on).
+    @torch.library.register_fake("pagedattn::cpu_attn_reshape_and_cache")
+    def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, isa):
+        return None
+
+    @torch.library.register_fake("pagedattn::cpu_attention_with_kv_cache")
+    def _attention_fake(query, key_cache, value_cache, output, query_start_loc, seq_lens,
+                        scale, causal, alibi_slopes, sliding_window_left,
+                        sliding_window_right, block_table, softcap, scheduler_metadata,
+                        s_aux):
+        return None
