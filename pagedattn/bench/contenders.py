@@ -1,0 +1,337 @@
+"""Contenders: the implementations the bench times side by side, in one registry.
+
+A :class:`Contender` says whether it can run here (``unavailable_reason``) and on which
+scenario kinds (``unsupported_reason``), then ``prepare``s a scenario into a
+:class:`Prepared` whose ``run(copy)`` is the timed call. ``run`` returns the attention
+output ``[num_tokens, num_heads, head_size]`` (or ``None`` for cache writes), which the
+runner checks against the reference before any timing.
+
+Register extra contenders with :func:`register` (tests inject a deliberately broken one;
+plugins can add theirs); ``CONTENDERS`` keeps insertion order, which is the table's
+column order.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedattn.bench.scenarios import ATTENTION_KINDS, Scenario, ScenarioInputs, contiguous_kv
+
+RunFn = Callable[[int], "torch.Tensor | None"]
+
+
+@dataclass
+class Prepared:
+    """A contender bound to one scenario's inputs.
+
+    run: the timed call; ``run(copy)`` processes copy ``copy`` of the batch and returns the
+        attention output (attention kinds) or ``None`` (``reshape_and_cache``).
+    cache_rows: for ``reshape_and_cache`` -- ``cache_rows(copy)`` returns what the contender
+        wrote, ``[2, num_tokens, num_kv_heads, head_size]`` (K then V at the copy's slots,
+        natural layout); ``None`` when its cache layout is private (then ``attend`` is used).
+    attend: for ``reshape_and_cache`` with a private cache layout -- ``attend(copy, query)``
+        runs the contender's own attention of ``query [1, H, D]`` over the tokens it wrote
+        (one request, block table of ``copy``), returning ``[1, H, D]``.
+    poison: for ``reshape_and_cache`` -- ``poison(copy)`` fills the copy's target slots
+        with NaN so a contender that writes nothing cannot pass the check on stale data.
+    note: shown in the table footnotes (e.g. "reference fallback").
+    """
+
+    run: RunFn
+    cache_rows: Callable[[int], torch.Tensor] | None = None
+    attend: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    poison: Callable[[int], None] | None = None
+    note: str = ""
+
+
+class Contender:
+    """Base class; subclasses set ``name``, ``description``, ``kinds`` and ``prepare``."""
+
+    name: str = ""
+    description: str = ""
+    kinds: tuple[str, ...] = ATTENTION_KINDS
+    #: the oracle is not checked against itself.
+    is_reference: bool = False
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when this contender can run in this process, else a one-line reason."""
+        return None
+
+    def unsupported_reason(self, scenario: Scenario) -> str | None:
+        if scenario.kind not in self.kinds:
+            return f"no {scenario.kind} path"
+        return None
+
+    def prepare(self, inputs: ScenarioInputs) -> Prepared:
+        raise NotImplementedError
+
+    def versions(self) -> dict[str, str]:
+        """Versions worth recording in the JSON (e.g. a third-party wheel's)."""
+        return {}
+
+
+CONTENDERS: dict[str, Contender] = {}
+
+
+def register(contender: Contender, *, replace: bool = False) -> Contender:
+    """Add ``contender`` to the registry (a new table column)."""
+    if not contender.name:
+        raise ValueError("a contender needs a non-empty name")
+    if contender.name in CONTENDERS and not replace:
+        raise ValueError(f"contender {contender.name!r} is already registered")
+    CONTENDERS[contender.name] = contender
+    return contender
+
+
+def unregister(name: str) -> None:
+    CONTENDERS.pop(name, None)
+
+
+# ------------------------------------------------------------------- shared helpers
+
+
+def natural_cache_rows(inputs: ScenarioInputs, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, copy: int) -> torch.Tensor:
+    """``[2, T, nkv, d]``: the rows at copy ``copy``'s slots of natural-layout caches."""
+    bs = inputs.scenario.block_size
+    slots = inputs.slot_mappings[copy]
+    blocks, offsets = slots // bs, slots % bs
+    return torch.stack([key_cache[blocks, :, offsets], value_cache[blocks, :, offsets]])
+
+
+def poison_slots(inputs: ScenarioInputs, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, copy: int) -> None:
+    bs = inputs.scenario.block_size
+    slots = inputs.slot_mappings[copy]
+    for cache in (key_cache, value_cache):
+        cache[slots // bs, :, slots % bs] = float("nan")
+
+
+def _groups(s: Scenario) -> list[tuple[int, int, list[int]]]:
+    """Requests grouped by equal ``(query_len, seq_len)``: one dense SDPA call each."""
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for r, (kv, q) in enumerate(zip(s.seq_lens, s.query_lens)):
+        by_shape.setdefault((q, kv), []).append(r)
+    return [(q, kv, ids) for (q, kv), ids in by_shape.items()]
+
+
+def _token_index(inputs: ScenarioInputs, ids: list[int], q_len: int) -> torch.Tensor:
+    starts = inputs.query_start_loc[ids].to(torch.int64)
+    return (starts.unsqueeze(1) + torch.arange(q_len)).reshape(-1)
+
+
+def bottom_right_causal_mask(q_len: int, kv_len: int) -> torch.Tensor:
+    """Bool ``[q_len, kv_len]``: query ``i`` (position ``kv_len - q_len + i``) sees keys
+    ``0..kv_len - q_len + i`` -- SDPA's own ``is_causal`` aligns top-left instead."""
+    pos = kv_len - q_len + torch.arange(q_len).unsqueeze(1)
+    return torch.arange(kv_len).unsqueeze(0) <= pos
+
+
+class _DenseGroupPlan:
+    """Per-group query gather / output scatter shared by the dense contenders."""
+
+    def __init__(self, inputs: ScenarioInputs):
+        s = inputs.scenario
+        self.inputs = inputs
+        self.groups = []
+        for q_len, kv_len, ids in _groups(s):
+            tokens = _token_index(inputs, ids, q_len)
+            q = inputs.query[tokens].view(len(ids), q_len, s.num_heads, s.head_size)
+            q = q.transpose(1, 2).contiguous()  # [n, H, q_len, d]
+            self.groups.append((q_len, kv_len, ids, tokens, q))
+
+    def attend(self, attention, kv_for_group, copy: int) -> torch.Tensor:
+        s = self.inputs.scenario
+        out = torch.empty_like(self.inputs.query)
+        for g, (q_len, kv_len, ids, tokens, q) in enumerate(self.groups):
+            k, v = kv_for_group(g, copy)
+            o = attention(q, k, v, q_len, kv_len)  # [n, H, q_len, d]
+            out[tokens] = o.transpose(1, 2).reshape(-1, s.num_heads, s.head_size)
+        return out
+
+
+def _sdpa(q, k, v, q_len, kv_len, scale):
+    causal = q_len > 1
+    if not causal:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    if q_len == kv_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    mask = bottom_right_causal_mask(q_len, kv_len)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+# ------------------------------------------------------------------------ contenders
+
+
+class PagedattnContender(Contender):
+    name = "pagedattn"
+    description = "pagedattn.ops native CPU kernels (paged KV, scheduler metadata)"
+    kinds = ATTENTION_KINDS + ("reshape_and_cache",)
+
+    def _ops(self):
+        from pagedattn import ops
+        return ops
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            ops = self._ops()
+        except Exception as exc:  # the package may be mid-build: say why, don't crash
+            return f"pagedattn.ops failed to import: {type(exc).__name__}: {exc}"
+        missing = [n for n in ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache",
+                               "cpu_attn_get_scheduler_metadata", "select_cpu_isa_hint",
+                               "native_available") if not hasattr(ops, n)]
+        if missing:
+            return f"pagedattn.ops lacks {', '.join(missing)}"
+        return None
+
+    def prepare(self, inputs: ScenarioInputs) -> Prepared:
+        ops = self._ops()
+        s = inputs.scenario
+        isa = ops.select_cpu_isa_hint(s.block_size, s.torch_dtype)
+        note = "" if ops.native_available() else "native extension not loaded: reference fallback"
+        kc, vc = inputs.key_cache, inputs.value_cache
+        if s.kind == "reshape_and_cache":
+            def run(copy: int) -> None:
+                ops.cpu_attn_reshape_and_cache(inputs.new_keys[copy], inputs.new_values[copy],
+                                               kc, vc, inputs.slot_mappings[copy], isa)
+            return Prepared(run, cache_rows=lambda c: natural_cache_rows(inputs, kc, vc, c),
+                            poison=lambda c: poison_slots(inputs, kc, vc, c), note=note)
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            s.batch, s.num_heads, s.num_kv_heads, s.head_size, inputs.seq_lens, s.torch_dtype,
+            inputs.query_start_loc, s.causal, -1, isa, True)
+        out = torch.empty_like(inputs.query)
+
+        def run(copy: int) -> torch.Tensor:
+            ops.cpu_attention_with_kv_cache(
+                inputs.query, kc, vc, out, inputs.query_start_loc, inputs.seq_lens,
+                inputs.scale, s.causal, None, (-1, -1), inputs.block_tables[copy], 0.0,
+                metadata, None)
+            return out
+        return Prepared(run, note=note)
+
+
+class ReferenceContender(Contender):
+    name = "reference"
+    description = "pagedattn.ops.reference: pure-PyTorch fp32 oracle, one request at a time"
+    kinds = ATTENTION_KINDS + ("reshape_and_cache",)
+    is_reference = True
+
+    def prepare(self, inputs: ScenarioInputs) -> Prepared:
+        from pagedattn.ops import reference
+
+        s = inputs.scenario
+        kc, vc = inputs.key_cache, inputs.value_cache
+        if s.kind == "reshape_and_cache":
+            def run(copy: int) -> None:
+                reference.cpu_attn_reshape_and_cache(
+                    inputs.new_keys[copy], inputs.new_values[copy], kc, vc,
+                    inputs.slot_mappings[copy])
+            return Prepared(run, cache_rows=lambda c: natural_cache_rows(inputs, kc, vc, c),
+                            poison=lambda c: poison_slots(inputs, kc, vc, c))
+        out = torch.empty_like(inputs.query)
+
+        def run(copy: int) -> torch.Tensor:
+            reference.cpu_attention_with_kv_cache(
+                inputs.query, kc, vc, out, inputs.query_start_loc, inputs.seq_lens,
+                inputs.scale, s.causal, None, (-1, -1), inputs.block_tables[copy], 0.0)
+            return out
+        return Prepared(run)
+
+
+class SdpaContiguousContender(Contender):
+    name = "sdpa-contiguous"
+    description = ("torch SDPA on the same KV stored contiguously per request "
+                   "([batch, kv_heads, seq, d]): the no-paging baseline")
+
+    def prepare(self, inputs: ScenarioInputs) -> Prepared:
+        plan = _DenseGroupPlan(inputs)
+        # One contiguous K/V per (group, copy), built up front: paging costs nothing here.
+        kv = [[contiguous_kv(inputs, c, ids) for c in range(inputs.copies)]
+              for _, _, ids, _, _ in plan.groups]
+        scale = inputs.scale
+
+        def run(copy: int) -> torch.Tensor:
+            return plan.attend(lambda q, k, v, ql, kl: _sdpa(q, k, v, ql, kl, scale),
+                               lambda g, c: kv[g][c], copy)
+        return Prepared(run)
+
+
+class GatherSdpaContender(Contender):
+    name = "gather+sdpa"
+    description = "gather the paged blocks into contiguous K/V on every call, then torch SDPA"
+
+    def prepare(self, inputs: ScenarioInputs) -> Prepared:
+        plan = _DenseGroupPlan(inputs)
+        scale = inputs.scale
+        ids_of = [ids for _, _, ids, _, _ in plan.groups]
+
+        def run(copy: int) -> torch.Tensor:
+            return plan.attend(lambda q, k, v, ql, kl: _sdpa(q, k, v, ql, kl, scale),
+                               lambda g, c: contiguous_kv(inputs, c, ids_of[g]), copy)
+        return Prepared(run)
+
+
+class FlexContender(Contender):
+    name = "flex"
+    description = ("torch FlexAttention (torch.compile'd) on contiguous K/V, causal "
+                   "block mask aligned bottom-right")
+
+    _compiled = None
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except Exception as exc:
+            return f"torch {torch.__version__} has no FlexAttention ({exc})"
+        if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+            return "torch.compile needs a C++ compiler on PATH for the CPU backend"
+        return None
+
+    @classmethod
+    def _flex(cls):
+        if cls._compiled is None:
+            import torch._dynamo
+            from torch.nn.attention.flex_attention import flex_attention
+
+            # Every scenario is a new shape; don't let dynamo fall back to eager.
+            for knob in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, knob):
+                    setattr(torch._dynamo.config, knob, 256)
+            cls._compiled = torch.compile(flex_attention, dynamic=False)
+        return cls._compiled
+
+    def prepare(self, inputs: ScenarioInputs) -> Prepared:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        flex = self._flex()
+        plan = _DenseGroupPlan(inputs)
+        kv = [[contiguous_kv(inputs, c, ids) for c in range(inputs.copies)]
+              for _, _, ids, _, _ in plan.groups]
+        masks = {}
+        for q_len, kv_len, _, _, _ in plan.groups:
+            if q_len > 1:
+                offset = kv_len - q_len
+
+                def causal(b, h, qi, ki, offset=offset):
+                    return ki <= qi + offset
+                masks[(q_len, kv_len)] = create_block_mask(causal, None, None, q_len, kv_len,
+                                                           device="cpu")
+        scale = inputs.scale
+
+        def attention(q, k, v, q_len, kv_len):
+            return flex(q, k, v, block_mask=masks.get((q_len, kv_len)), scale=scale,
+                        enable_gqa=True)
+
+        def run(copy: int) -> torch.Tensor:
+            return plan.attend(attention, lambda g, c: kv[g][c], copy)
+        return Prepared(run)
+
+
+for _c in (PagedattnContender(), ReferenceContender(), SdpaContiguousContender(),
+           GatherSdpaContender(), FlexContender()):
+    register(_c)

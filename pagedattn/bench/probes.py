@@ -1,0 +1,187 @@
+"""This machine's limits, measured by the bench itself, and cached per machine.
+
+Two probes give the roofline's ceilings:
+
+* **bandwidth** -- ``torch.sum`` over a buffer several times the LLC, rotated over fresh
+  slices so every byte comes from DRAM: the best read rate plain PyTorch achieves.
+* **matmul** -- ``torch.matmul`` of square matrices in bf16 and fp32: the compute peak
+  the BLAS gives this process with its thread count.
+
+Results are cached in ``$XDG_CACHE_HOME/pagedattn/machine-<hash>.json`` (default
+``~/.cache``), the hash covering the CPU model and core count; entries inside are keyed by
+thread count. ``--remeasure`` ignores and rewrites the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_LLC_BYTES = 32 << 20
+PROBE_DTYPES = ("bfloat16", "float32")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def llc_bytes() -> int:
+    """Size of the largest CPU cache (sysfs), else 32 MiB."""
+    best = 0
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in base.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * mult)
+    return best or DEFAULT_LLC_BYTES
+
+
+@dataclass
+class MachineLimits:
+    """Measured ceilings. ``dram_read_gbps`` in GB/s (1e9 bytes); ``matmul_gflops`` per
+    dtype name in GFLOP/s (1e9)."""
+
+    cpu_model: str
+    logical_cores: int
+    threads: int
+    llc_bytes: int
+    dram_read_gbps: float
+    matmul_gflops: dict[str, float]
+    probe_bytes: int
+    matmul_size: int
+    measured_at: str
+    cached: bool = False
+    details: dict = field(default_factory=dict)
+
+    def peak_gflops(self, dtype: str) -> float:
+        """Matmul peak for ``dtype``; fp16 (not probed) borrows the bf16 figure."""
+        return self.matmul_gflops.get(dtype, self.matmul_gflops.get("bfloat16", 0.0))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def machine_key() -> str:
+    raw = f"{cpu_model()}|{os.cpu_count()}|{platform.machine()}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:12]
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedattn" / f"machine-{machine_key()}.json"
+
+
+def _median_time(fn, repeat: int) -> float:
+    fn()  # warm-up: first-touch page faults and lazy initialisation
+    times = []
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def stream_buffers(nbytes: int, copies: int) -> torch.Tensor:
+    """``copies`` fresh fp32 slices of ``nbytes`` each, as one ``[copies, n]`` tensor."""
+    n = max(1, nbytes // 4)
+    return torch.ones(copies, n, dtype=torch.float32)
+
+
+def measure_bandwidth(probe_bytes: int, llc: int, repeat: int = 5) -> float:
+    """GB/s of ``torch.sum`` over fresh ``probe_bytes`` slices (rotation > 2x LLC)."""
+    copies = max(2, -(-3 * llc // probe_bytes))
+    buf = stream_buffers(probe_bytes, copies)
+
+    def run(i: int = 0) -> None:
+        buf[i % copies].sum()
+
+    t = _median_time(run, repeat)
+    return buf[0].numel() * 4 / t / 1e9
+
+
+def measure_matmul(size: int, dtype: torch.dtype, repeat: int = 5) -> float:
+    """GFLOP/s of ``a @ b`` for square ``size`` matrices of ``dtype``."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+
+    def run(i: int = 0) -> None:
+        torch.matmul(a, b)
+
+    t = _median_time(run, repeat)
+    return 2 * size ** 3 / t / 1e9
+
+
+def measure(probe_bytes: int, matmul_size: int) -> MachineLimits:
+    threads = torch.get_num_threads()
+    llc = llc_bytes()
+    bw = measure_bandwidth(probe_bytes, llc)
+    flops = {}
+    for name in PROBE_DTYPES:
+        # The best of two sizes: small matrices underfeed the BLAS, big ones take long.
+        flops[name] = max(measure_matmul(n, getattr(torch, name))
+                          for n in (matmul_size // 2, matmul_size))
+    return MachineLimits(
+        cpu_model=cpu_model(),
+        logical_cores=os.cpu_count() or 1,
+        threads=threads,
+        llc_bytes=llc,
+        dram_read_gbps=bw,
+        matmul_gflops=flops,
+        probe_bytes=probe_bytes,
+        matmul_size=matmul_size,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+
+
+def load_or_measure(probe_bytes: int, matmul_size: int, *, remeasure: bool = False
+                    ) -> MachineLimits:
+    """Cached limits for this machine and thread count, measuring them when absent, when
+    the cached probe was smaller than asked (a smoke test's), or when ``remeasure``."""
+    path = cache_path()
+    threads = str(torch.get_num_threads())
+    entries: dict = {}
+    if path.exists():
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError):
+            entries = {}  # a corrupt cache is re-measured, never fatal
+    entry = entries.get(threads) if isinstance(entries, dict) else None
+    if entry and not remeasure:
+        try:
+            limits = MachineLimits(**{**entry, "cached": True})
+            if limits.probe_bytes >= probe_bytes and limits.matmul_size >= matmul_size:
+                return limits
+        except TypeError:
+            pass  # an older cache format: measure again
+    limits = measure(probe_bytes, matmul_size)
+    entries = entries if isinstance(entries, dict) else {}
+    entries[threads] = {**limits.to_json(), "cached": False}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(path)
+        limits.details["cache_file"] = str(path)
+    except OSError as exc:
+        limits.details["cache_error"] = str(exc)
+    return limits

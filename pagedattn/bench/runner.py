@@ -1,0 +1,400 @@
+"""Run the suite: for every scenario build the inputs once, then for every contender
+check its output against the reference, and only then time it.
+
+Timing protocol (per scenario x contender):
+
+1. ``run(0)`` is the correctness check (also the first warm-up); a contender that
+   disagrees with the reference is WRONG and is not timed.
+2. ``run(1)`` is the warm-up proper; its time decides how many repeats fit the time
+   budget (at most ``repeat``; a call slower than the whole budget keeps the warm-up as
+   its one sample, flagged).
+3. Repeat ``i`` runs copy ``(2 + i) % copies``: each call reads KV that was evicted from
+   the LLC since it was last touched. For bandwidth-bound kinds a ``torch.sum`` over as
+   many fresh bytes is timed right after each call: the scenario's stream time.
+
+Reported times are medians of the repeats.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedattn.bench import probes
+from pagedattn.bench.contenders import CONTENDERS, Contender, Prepared
+from pagedattn.bench.scenarios import (
+    SUITES, Scenario, ScenarioInputs, build_inputs, copies_for, select_scenarios,
+)
+
+STATUSES = ("ok", "wrong", "unavailable", "unsupported", "error")
+BANDWIDTH_KINDS = ("decode", "mixed", "reshape_and_cache")
+
+
+@dataclass
+class BenchOptions:
+    """What to run. ``budget_s`` caps the timed seconds per scenario x contender."""
+
+    suite: str = "default"
+    scenarios: list[str] | None = None
+    contenders: list[str] | None = None
+    repeat: int = 9
+    threads: int | None = None
+    budget_s: float = 20.0
+    remeasure: bool = False
+    progress: bool = True
+    probe_bytes: int = 512 << 20
+    matmul_size: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.suite not in SUITES:
+            raise ValueError(f"unknown suite {self.suite!r}; valid: {', '.join(SUITES)}")
+        if self.repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.budget_s <= 0:
+            raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
+        if self.contenders is not None:
+            valid = list(CONTENDERS)
+            unknown = [c for c in self.contenders if c not in valid]
+            if unknown:
+                raise ValueError(
+                    f"unknown contender {unknown[0]!r}; valid: {', '.join(valid)}")
+        # Resolve the scenario filter now, so a typo fails before any probe runs.
+        self.selected = select_scenarios(SUITES[self.suite](), self.scenarios)
+
+    def contender_names(self) -> list[str]:
+        names = self.contenders if self.contenders else list(CONTENDERS)
+        # pagedattn first and the reference always present: the table is about the
+        # former and every check needs the latter's semantics.
+        return list(dict.fromkeys(["pagedattn", *names]))
+
+
+@dataclass
+class Cell:
+    """One contender on one scenario. ``times_s`` are the raw timed samples."""
+
+    contender: str
+    status: str
+    reason: str = ""
+    note: str = ""
+    times_s: list[float] = field(default_factory=list)
+    max_abs_err: float | None = None
+    tolerance: float | None = None
+    budget_limited: bool = False
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.times_s) if self.times_s else None
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    copies: int
+    cells: dict[str, Cell]
+    stream_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def stream_median_s(self) -> float | None:
+        return statistics.median(self.stream_times_s) if self.stream_times_s else None
+
+
+@dataclass
+class BenchResult:
+    options: BenchOptions
+    machine: probes.MachineLimits
+    versions: dict
+    contenders: dict[str, dict]
+    scenarios: list[ScenarioResult]
+    wall_s: float = 0.0
+
+
+# -------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A one-line progress bar on stderr (one line per step when stderr is no TTY)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        filled = int(width * self.done / max(1, self.total))
+        bar = "#" * filled + "." * (width - filled)
+        line = (f"[{bar}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.0f}s  "
+                f"{label}")
+        if self.tty:
+            sys.stderr.write("\r" + line[:118].ljust(118))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        self.done += 1
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r" + " " * 118 + "\r")
+            sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_ids(s: Scenario) -> list[int]:
+    """Requests whose output is checked: first, last, and the first multi-token one --
+    requests are independent, so a subset checks every code path at a fraction of the
+    reference's cost on multi-GiB batches."""
+    ids = [0, s.batch - 1]
+    ids += [r for r, q in enumerate(s.query_lens) if q > 1][:1]
+    return sorted(set(ids))
+
+
+def _reference_rows(inputs: ScenarioInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token rows, expected [rows, H, D])`` of copy 0 from the reference."""
+    from pagedattn.ops import reference
+
+    s = inputs.scenario
+    ids = _check_ids(s)
+    qsl = inputs.query_start_loc.to(torch.int64)
+    rows = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in ids])
+    lens = torch.tensor([s.query_lens[r] for r in ids], dtype=torch.int32)
+    sub_qsl = torch.zeros(len(ids) + 1, dtype=torch.int32)
+    sub_qsl[1:] = torch.cumsum(lens, 0)
+    expected = reference.paged_attention(
+        inputs.query[rows], inputs.key_cache, inputs.value_cache, sub_qsl,
+        inputs.seq_lens[ids], inputs.block_tables[0][ids], scale=inputs.scale, causal=s.causal)
+    return rows, expected
+
+
+def _reference_attend_written(inputs: ScenarioInputs, query: torch.Tensor) -> torch.Tensor:
+    """Reference attention of ``query [1, H, D]`` over copy 0's new tokens (positions
+    ``0..T-1`` of one request), built from the tensors that were to be written."""
+    from pagedattn.ops import reference
+
+    s = inputs.scenario
+    t, bs = s.num_tokens, s.block_size
+    nblk = -(-t // bs)
+    kv = torch.zeros(2, nblk * bs, s.num_kv_heads, s.head_size, dtype=s.torch_dtype)
+    kv[0, :t], kv[1, :t] = inputs.new_keys[0], inputs.new_values[0]
+    cache = kv.view(2, nblk, bs, s.num_kv_heads, s.head_size).transpose(2, 3).contiguous()
+    table = torch.arange(nblk, dtype=torch.int32).unsqueeze(0)
+    return reference.paged_attention(
+        query, cache[0], cache[1], torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([t], dtype=torch.int32), table, scale=inputs.scale, causal=s.causal)
+
+
+def _compare(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+             exact: bool = False) -> tuple[bool, float, float]:
+    from pagedattn.testing import TOLERANCES
+
+    atol, rtol = (0.0, 0.0) if exact else TOLERANCES[dtype]
+    got, expected = got.float(), expected.float()
+    if not bool(torch.isfinite(got).all()):
+        return False, float("inf"), atol
+    diff = (got - expected).abs()
+    ok = bool((diff <= atol + rtol * expected.abs()).all())
+    return ok, float(diff.max()) if diff.numel() else 0.0, atol
+
+
+class _Checker:
+    """Expected values of one scenario, computed lazily and once."""
+
+    def __init__(self, inputs: ScenarioInputs):
+        self.inputs = inputs
+        self._rows = None
+        gen = torch.Generator().manual_seed(1)
+        s = inputs.scenario
+        self.probe_query = torch.randn(1, s.num_heads, s.head_size, generator=gen).to(s.torch_dtype)
+        self._attend_expected = None
+
+    def check(self, prepared: Prepared) -> tuple[bool, float, float, str]:
+        """Run copy 0 and compare: ``(ok, max_abs_err, atol, what was compared)``."""
+        s = self.inputs.scenario
+        if s.kind != "reshape_and_cache":
+            if self._rows is None:
+                self._rows = _reference_rows(self.inputs)
+            rows, expected = self._rows
+            out = prepared.run(0)
+            if out is None:
+                raise RuntimeError("an attention contender's run() must return its output")
+            ok, err, tol = _compare(out[rows], expected, s.torch_dtype)
+            return ok, err, tol, f"{len(rows)} token rows vs reference"
+        if prepared.poison is not None:
+            prepared.poison(0)
+        prepared.run(0)
+        if prepared.cache_rows is not None:
+            want = torch.stack([self.inputs.new_keys[0], self.inputs.new_values[0]])
+            ok, err, tol = _compare(prepared.cache_rows(0), want, s.torch_dtype, exact=True)
+            return ok, err, tol, "written cache rows, exact"
+        if prepared.attend is None:
+            raise RuntimeError("a reshape_and_cache contender needs cache_rows or attend")
+        if self._attend_expected is None:
+            self._attend_expected = _reference_attend_written(self.inputs, self.probe_query)
+        got = prepared.attend(0, self.probe_query)
+        ok, err, tol = _compare(got, self._attend_expected, s.torch_dtype)
+        return ok, err, tol, "attention over the written cache vs reference"
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def _time_cell(prepared: Prepared, copies: int, repeat: int, budget_s: float,
+               stream=None) -> tuple[list[float], list[float], bool]:
+    """Timed samples of ``prepared.run`` (and interleaved stream samples)."""
+    t0 = time.perf_counter()
+    prepared.run(1 % copies)
+    warm = time.perf_counter() - t0
+    if warm >= budget_s:
+        return [warm], [], True
+    n = max(1, min(repeat, int(budget_s / max(warm, 1e-9))))
+    times, stream_times = [], []
+    for i in range(n):
+        copy = (2 + i) % copies
+        t0 = time.perf_counter()
+        prepared.run(copy)
+        times.append(time.perf_counter() - t0)
+        if stream is not None:
+            t0 = time.perf_counter()
+            stream(copy)
+            stream_times.append(time.perf_counter() - t0)
+    return times, stream_times, n < repeat
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
+
+
+def _run_cell(contender: Contender, inputs: ScenarioInputs, checker: _Checker,
+              opts: BenchOptions, stream) -> tuple[Cell, list[float]]:
+    cell = Cell(contender.name, "ok")
+    reason = contender.unsupported_reason(inputs.scenario)
+    if reason:
+        return Cell(contender.name, "unsupported", reason), []
+    prepared = None
+    try:
+        prepared = contender.prepare(inputs)
+        cell.note = prepared.note
+        if not contender.is_reference:
+            ok, err, tol, what = checker.check(prepared)
+            cell.max_abs_err, cell.tolerance = err, tol
+            if not ok:
+                cell.status = "wrong"
+                cell.reason = f"max |diff| {err:.3g} > tolerance ({what})"
+                return cell, []
+        else:
+            if prepared.poison is not None:
+                prepared.poison(0)
+            prepared.run(0)  # the oracle's first call is a warm-up like everyone's
+        times, stream_times, limited = _time_cell(
+            prepared, inputs.copies, opts.repeat, opts.budget_s, stream)
+        cell.times_s, cell.budget_limited = times, limited
+        return cell, stream_times
+    except Exception as exc:  # one broken contender must not sink the whole table
+        return Cell(contender.name, "error", _one_line(exc), note=cell.note), []
+    finally:
+        del prepared
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def _versions(names: list[str]) -> dict:
+    import platform
+
+    import pagedattn
+
+    info: dict = {"pagedattn": pagedattn.__version__, "torch": torch.__version__,
+                  "python": platform.python_version(), "platform": platform.platform()}
+    try:
+        import numpy
+        info["numpy"] = numpy.__version__
+    except ImportError:
+        pass
+    try:
+        from pagedattn import ops
+        native = bool(ops.native_available())
+        info["native"] = native
+        if native and hasattr(ops, "get_cpu_isa"):
+            info["cpu_isa"] = str(getattr(ops.get_cpu_isa(), "value", ops.get_cpu_isa()))
+    except Exception as exc:
+        info["native"] = False
+        info["native_error"] = _one_line(exc)
+    for name in names:
+        info.update(CONTENDERS[name].versions())
+    return info
+
+
+def run_bench(opts: BenchOptions, *, log=print) -> BenchResult:
+    """Measure the machine (or load its cached limits), then run every selected scenario
+    x contender. ``log`` receives the lines printed above the table."""
+    started = time.perf_counter()
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+    machine = probes.load_or_measure(opts.probe_bytes, opts.matmul_size, remeasure=opts.remeasure)
+    names = opts.contender_names()
+    if "reference" not in names:
+        names.append("reference")  # not timed unless asked; its checks need no column
+        timed_reference = False
+    else:
+        timed_reference = True
+    contenders = {n: CONTENDERS[n] for n in names}
+    availability = {}
+    for n, c in contenders.items():
+        reason = c.unavailable_reason()
+        availability[n] = {"available": reason is None, "reason": reason or "",
+                           "description": c.description}
+    if not timed_reference:
+        del contenders["reference"], availability["reference"]
+    log_machine(machine, log)
+
+    scenarios = opts.selected
+    progress = Progress(len(scenarios) * len(contenders), opts.progress)
+    results = []
+    for s in scenarios:
+        copies = copies_for(s, machine.llc_bytes)
+        inputs = build_inputs(s, copies)
+        checker = _Checker(inputs)
+        stream = None
+        if s.kind in BANDWIDTH_KINDS:
+            buffers = probes.stream_buffers(s.bytes_moved(), copies)
+
+            def stream(copy: int, buffers=buffers) -> None:
+                buffers[copy].sum()
+        cells: dict[str, Cell] = {}
+        stream_times: list[float] = []
+        for name, contender in contenders.items():
+            progress.step(f"{s.name} · {name}")
+            if not availability[name]["available"]:
+                cells[name] = Cell(name, "unavailable", availability[name]["reason"])
+                continue
+            cell, st = _run_cell(contender, inputs, checker, opts, stream)
+            cells[name] = cell
+            stream_times += st
+        results.append(ScenarioResult(s, copies, cells, stream_times))
+        del inputs, checker, stream
+        gc.collect()
+    progress.close()
+    return BenchResult(opts, machine, _versions(list(contenders)), availability, results,
+                       wall_s=time.perf_counter() - started)
+
+
+def log_machine(machine: probes.MachineLimits, log) -> None:
+    src = "cached" if machine.cached else "measured now"
+    flops = ", ".join(f"{k} {v:,.0f}" for k, v in machine.matmul_gflops.items())
+    log(f"machine   {machine.cpu_model}, {machine.logical_cores} cores, {machine.threads} threads, "
+        f"LLC {machine.llc_bytes >> 20} MiB")
+    log(f"limits    DRAM read {machine.dram_read_gbps:.1f} GB/s (torch.sum, "
+        f"{machine.probe_bytes >> 20} MiB); matmul peak GFLOP/s: {flops}  [{src} "
+        f"{machine.measured_at}; --remeasure to redo]")

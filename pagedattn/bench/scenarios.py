@@ -1,0 +1,366 @@
+"""Benchmark scenarios: named batch shapes, their roofline counts, and their inputs.
+
+A :class:`Scenario` is one row of the ``pagedattn bench`` table. Its inputs are built by
+:func:`build_inputs` *vectorised* (no per-token Python loops, unlike
+``pagedattn.testing.make_paged_batch``) so multi-GiB decode scenarios build in seconds.
+
+Why several copies of the KV: a decode step reads every KV byte exactly once, so timing
+the same cache over and over measures the last-level cache, not DRAM. ``build_inputs``
+lays out ``copies`` independent copies of the batch's KV in one paged pool (each copy has
+its own random block table) with a total size of a few times the LLC, and the runner
+rotates over them: call ``i`` reads copy ``i % copies``, which was evicted since its last
+use.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+ATTENTION_KINDS = ("decode", "prefill", "mixed")
+KINDS = ATTENTION_KINDS + ("reshape_and_cache",)
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One benchmark case.
+
+    ``seq_lens[r]`` is request ``r``'s total KV length (prior context + new tokens),
+    ``query_lens[r]`` its new tokens. For ``reshape_and_cache`` the request lengths give the
+    tokens written (``query_lens``) and only the cache geometry matters for attention heads.
+    """
+
+    name: str
+    kind: str
+    seq_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+    block_size: int = 32
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"scenario {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"scenario {self.name!r}: dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}"
+            )
+        if not self.seq_lens or len(self.seq_lens) != len(self.query_lens):
+            raise ValueError(
+                f"scenario {self.name!r}: need one query_len per seq_len, got "
+                f"{len(self.query_lens)} and {len(self.seq_lens)}"
+            )
+        for r, (s, q) in enumerate(zip(self.seq_lens, self.query_lens)):
+            if q < 1 or s < q:
+                raise ValueError(
+                    f"scenario {self.name!r}: request {r} needs 1 <= query_len <= seq_len, "
+                    f"got query_len {q}, seq_len {s}"
+                )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"scenario {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    # ------------------------------------------------------------------ descriptions
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def context_label(self) -> str:
+        """Context length(s) as a short string: ``2048`` or ``2048,1536+512``."""
+        parts = []
+        for s, q in dict.fromkeys(zip(self.seq_lens, self.query_lens)):
+            parts.append(str(s) if q == 1 or q == s else f"{s - q}+{q}")
+        return ",".join(parts)
+
+    @property
+    def batch_label(self) -> str:
+        if self.kind == "reshape_and_cache":
+            return f"{self.num_tokens} tok"
+        if self.kind == "mixed":
+            decodes = sum(q == 1 for q in self.query_lens)
+            return f"{decodes}d+{self.batch - decodes}p"
+        return str(self.batch)
+
+    @property
+    def short_dtype(self) -> str:
+        return _SHORT_DTYPE[self.dtype]
+
+    def describe(self) -> dict:
+        """JSON-ready description (the ``scenario`` object of the results schema)."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "batch": self.batch,
+            "seq_lens": list(self.seq_lens),
+            "query_lens": list(self.query_lens),
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "causal": self.causal,
+            "bytes": self.bytes_moved(),
+            "flops": self.flops(),
+        }
+
+    # ------------------------------------------------------------------ roofline counts
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V one call must read (attention) or write (reshape_and_cache)."""
+        row = self.num_kv_heads * self.head_size * self.element_size * 2  # K and V
+        if self.kind == "reshape_and_cache":
+            return self.num_tokens * row
+        return sum(self.seq_lens) * row
+
+    def bytes_moved(self) -> int:
+        """Compulsory DRAM traffic of one call.
+
+        Attention: the KV once, plus the query read and the output written.
+        reshape_and_cache: the new K/V read once and written once into the cache.
+        """
+        if self.kind == "reshape_and_cache":
+            return 2 * self.kv_bytes()
+        qo = 2 * self.num_tokens * self.num_heads * self.head_size * self.element_size
+        return self.kv_bytes() + qo
+
+    def visible_pairs(self) -> int:
+        """(query, key) pairs the attention mask lets through, summed over requests."""
+        total = 0
+        for s, q in zip(self.seq_lens, self.query_lens):
+            if not self.causal:
+                total += q * s
+                continue
+            # Query i sits at p = s - q + i and sees keys 0..p: (s - q + 1) + ... + s.
+            total += q * (s - q) + q * (q + 1) // 2
+        return total
+
+    def flops(self) -> int:
+        """Attention FLOPs counted honestly under the mask: ``QK^T`` and ``PV`` each
+        cost ``2*d`` per visible pair per query head; masked pairs are not counted."""
+        if self.kind == "reshape_and_cache":
+            return 0
+        return 4 * self.head_size * self.visible_pairs() * self.num_heads
+
+
+def _decode(batch: int, ctx: int) -> Scenario:
+    return Scenario(f"decode-b{batch}-c{ctx}", "decode", (ctx,) * batch, (1,) * batch)
+
+
+def _prefill(batch: int, length: int) -> Scenario:
+    return Scenario(f"prefill-b{batch}-c{length}", "prefill", (length,) * batch, (length,) * batch)
+
+
+_MIXED = Scenario(
+    "mixed-16d2048-p512c1536", "mixed", (2048,) * 16 + (1536 + 512,), (1,) * 16 + (512,)
+)
+_RESHAPE = Scenario("reshape_and_cache-4096", "reshape_and_cache", (4096,), (4096,))
+
+
+def default_suite() -> list[Scenario]:
+    """The full suite: decode batch 1/8/32 x context 512..8192, prefill, mixed, cache writes."""
+    decode = [_decode(b, c) for b in (1, 8, 32) for c in (512, 2048, 8192)]
+    return [*decode, _prefill(1, 2048), _prefill(4, 512), _MIXED, _RESHAPE]
+
+
+def quick_suite() -> list[Scenario]:
+    """A representative subset for ``--quick`` (under two minutes on 2 cores)."""
+    return [_decode(1, 8192), _decode(8, 2048), _decode(32, 2048), _prefill(4, 512), _MIXED,
+            _RESHAPE]
+
+
+def tiny_suite() -> list[Scenario]:
+    """Toy shapes for smoke tests: every kind, milliseconds each."""
+    small = dict(num_heads=4, num_kv_heads=2, head_size=32, block_size=16)
+    return [
+        Scenario("decode-b2-c100", "decode", (100, 37), (1, 1), **small),
+        Scenario("prefill-b1-c48", "prefill", (48,), (48,), **small),
+        Scenario("mixed-2d64-p16c32", "mixed", (64, 64, 48), (1, 1, 16), **small),
+        Scenario("reshape_and_cache-96", "reshape_and_cache", (96,), (96,), **small),
+    ]
+
+
+SUITES = {"default": default_suite, "quick": quick_suite, "tiny": tiny_suite}
+
+
+def select_scenarios(suite: list[Scenario], patterns: list[str] | None) -> list[Scenario]:
+    """Keep the scenarios matching any pattern: a kind (``decode``), an exact name, or a
+    shell glob over names (``decode-b8-*``). Raises ValueError naming the valid choices
+    for a pattern that matches nothing."""
+    if not patterns:
+        return list(suite)
+    keep: dict[str, Scenario] = {}
+    for pattern in patterns:
+        hits = [s for s in suite if s.kind == pattern or fnmatch.fnmatchcase(s.name, pattern)]
+        if not hits:
+            kinds = sorted({s.kind for s in suite})
+            raise ValueError(
+                f"unknown scenario {pattern!r}; valid: kinds {', '.join(kinds)} or names "
+                f"{', '.join(s.name for s in suite)} (shell globs allowed)"
+            )
+        for s in hits:
+            keep[s.name] = s
+    return [s for s in suite if s.name in keep]
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class ScenarioInputs:
+    """Random inputs for one scenario, shared by every contender.
+
+    query: ``[num_tokens, num_heads, head_size]``; kv_cache ``[2, num_blocks,
+    num_kv_heads, block_size, head_size]`` (natural CPU layout, ``unbind(0)`` gives K, V);
+    block_tables: one int32 ``[batch, max_blocks]`` per copy, placing that copy's blocks
+    at random in the pool (block 0 is never used); query_start_loc int32 ``[batch+1]``;
+    seq_lens int32 ``[batch]``.
+
+    reshape_and_cache: new_keys/new_values are ``copies`` x ``[num_tokens, num_kv_heads,
+    head_size]``; slot_mappings one int64 ``[num_tokens]`` per copy (disjoint random
+    blocks of the pool, so each call writes fresh lines).
+    """
+
+    scenario: Scenario
+    copies: int
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    block_tables: list[torch.Tensor]
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    new_keys: list[torch.Tensor] = field(default_factory=list)
+    new_values: list[torch.Tensor] = field(default_factory=list)
+    slot_mappings: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def key_cache(self) -> torch.Tensor:
+        return self.kv_cache[0]
+
+    @property
+    def value_cache(self) -> torch.Tensor:
+        return self.kv_cache[1]
+
+    @property
+    def scale(self) -> float:
+        return self.scenario.head_size ** -0.5
+
+
+def copies_for(scenario: Scenario, llc_bytes: int, *, factor: int = 3, max_copies: int = 64) -> int:
+    """How many KV copies make the rotation exceed ``factor`` x the LLC (at least 2)."""
+    need = math.ceil(factor * llc_bytes / max(1, scenario.kv_bytes()))
+    return max(2, min(max_copies, need))
+
+
+def _random_fill(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random normal data; above 16 Mi elements a random 16 Mi tile is repeated, which
+    keeps multi-GiB pools cheap to build (timing does not depend on the values, and the
+    correctness check compares against the reference on the very same data)."""
+    numel = math.prod(shape)
+    tile = 1 << 24
+    if numel <= tile:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    base = torch.randn(tile, generator=gen, dtype=torch.float32).to(dtype)
+    out = torch.empty(numel, dtype=dtype)
+    for start in range(0, numel, tile):
+        n = min(tile, numel - start)
+        # Rotate the tile so neighbouring blocks never repeat exactly.
+        out[start:start + n] = torch.roll(base, start // tile * 9973)[:n]
+    return out.view(shape)
+
+
+def build_inputs(scenario: Scenario, copies: int, *, seed: int = 0) -> ScenarioInputs:
+    """Allocate the pool and the per-copy block tables (or slot mappings) for ``copies``
+    rotated copies of ``scenario``."""
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    gen = torch.Generator().manual_seed(seed)
+    s = scenario
+    bs = s.block_size
+    blocks_per_req = [-(-n // bs) for n in s.seq_lens]
+    per_copy = sum(blocks_per_req)
+    num_blocks = 1 + per_copy * copies  # block 0 reserved
+    shape = (2, num_blocks, s.num_kv_heads, bs, s.head_size)
+    kv_cache = _random_fill(shape, s.torch_dtype, gen)
+
+    physical = torch.randperm(num_blocks - 1, generator=gen) + 1
+    max_blocks = max(blocks_per_req)
+    block_tables = []
+    for c in range(copies):
+        mine = physical[c * per_copy:(c + 1) * per_copy].to(torch.int32)
+        table = torch.zeros(s.batch, max_blocks, dtype=torch.int32)
+        start = 0
+        for r, n in enumerate(blocks_per_req):
+            table[r, :n] = mine[start:start + n]
+            start += n
+        block_tables.append(table)
+
+    query_lens = torch.tensor(s.query_lens, dtype=torch.int32)
+    query_start_loc = torch.zeros(s.batch + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(query_lens, 0)
+    inputs = ScenarioInputs(
+        scenario=s,
+        copies=copies,
+        query=_random_fill((s.num_tokens, s.num_heads, s.head_size), s.torch_dtype, gen),
+        kv_cache=kv_cache,
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(s.seq_lens, dtype=torch.int32),
+    )
+    if s.kind == "reshape_and_cache":
+        for table in block_tables:
+            inputs.slot_mappings.append(_slots_of_new_tokens(s, table))
+            kv = _random_fill((2, s.num_tokens, s.num_kv_heads, s.head_size), s.torch_dtype, gen)
+            inputs.new_keys.append(kv[0])
+            inputs.new_values.append(kv[1])
+    return inputs
+
+
+def _slots_of_new_tokens(s: Scenario, block_table: torch.Tensor) -> torch.Tensor:
+    """int64 slot of every new token: ``block_table[r, pos // bs] * bs + pos % bs``."""
+    slots = []
+    for r, (kv_len, q_len) in enumerate(zip(s.seq_lens, s.query_lens)):
+        pos = torch.arange(kv_len - q_len, kv_len)
+        blocks = block_table[r, pos // s.block_size].to(torch.int64)
+        slots.append(blocks * s.block_size + pos % s.block_size)
+    return torch.cat(slots)
+
+
+def contiguous_kv(inputs: ScenarioInputs, copy: int, request_ids: list[int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather copy ``copy``'s KV of equal-length requests into ``[n, num_kv_heads,
+    kv_len, head_size]`` K and V (what a non-paged engine would hold)."""
+    s = inputs.scenario
+    ids = list(range(s.batch)) if request_ids is None else request_ids
+    lens = {s.seq_lens[r] for r in ids}
+    if len(lens) != 1:
+        raise ValueError(f"contiguous_kv needs equal seq_lens, got {sorted(lens)}")
+    kv_len = lens.pop()
+    nblk = -(-kv_len // s.block_size)
+    table = inputs.block_tables[copy][ids, :nblk].to(torch.int64)
+    out = []
+    for cache in (inputs.key_cache, inputs.value_cache):
+        g = cache[table]  # [n, nblk, nkv, bs, d]
+        g = g.permute(0, 2, 1, 3, 4).reshape(len(ids), s.num_kv_heads, nblk * s.block_size, s.head_size)
+        out.append(g[:, :, :kv_len].contiguous())
+    return out[0], out[1]

@@ -1,0 +1,283 @@
+"""`pagedattn bench`: argument errors, the JSON schema, WRONG contenders, a full run.
+
+Runs use the ``tiny`` suite (toy shapes) and skip ``flex`` (its compile alone takes tens
+of seconds), so the file stays fast. The real ``--quick`` run is opt-in:
+``PAGEDATTN_SLOW_TESTS=1 pytest tests/test_bench_cli.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pagedattn.bench import contenders as contenders_mod
+from pagedattn.bench import probes, report, runner
+from pagedattn.bench.contenders import Contender, Prepared, natural_cache_rows
+from pagedattn.bench.scenarios import Scenario, build_inputs, select_scenarios, tiny_suite
+from pagedattn.bench.schema import SCHEMA, validate, validate_result
+from pagedattn.cli import main
+from pagedattn.ops import reference
+
+FAST = "pagedattn,reference,sdpa-contiguous,gather+sdpa"
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """Machine limits go to a per-test cache dir (never the user's ~/.cache)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def fake_limits(monkeypatch):
+    """Skip the real probes (seconds) where a test does not need them."""
+    calls = []
+
+    def fake_measure(probe_bytes, matmul_size):
+        calls.append((probe_bytes, matmul_size))
+        return probes.MachineLimits(
+            cpu_model="test cpu", logical_cores=2, threads=torch.get_num_threads(),
+            llc_bytes=1 << 20, dram_read_gbps=10.0,
+            matmul_gflops={"bfloat16": 100.0, "float32": 50.0}, probe_bytes=probe_bytes,
+            matmul_size=matmul_size, measured_at="now")
+    monkeypatch.setattr(probes, "measure", fake_measure)
+    return calls
+
+
+def _run(argv, capsys):
+    code = main(["bench", "--suite", "tiny", "--no-progress", *argv])
+    return code, capsys.readouterr()
+
+
+# ------------------------------------------------------------------ argument errors
+
+
+@pytest.mark.parametrize("argv, needle, listed", [
+    (["--scenario", "nope"], "unknown scenario 'nope'", ["decode", "decode-b8-c2048", "reshape_and_cache-4096"]),
+    (["--contenders", "pagedattn,bogus"], "unknown contender 'bogus'",
+     ["pagedattn", "reference", "sdpa-contiguous", "gather+sdpa", "flex", "vllm"]),
+    (["--repeat", "0"], "repeat must be >= 1, got 0", []),
+    (["--threads", "0"], "threads must be >= 1, got 0", []),
+    (["--vllm-path", "/no/such/dir"], "--vllm-path '/no/such/dir' does not exist", []),
+])
+def test_bad_arguments_exit_2_with_a_clear_message(argv, needle, listed, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "pagedattn bench: error:" in err and needle in err
+    for name in listed:
+        assert name in err
+
+
+def test_unknown_suite_and_module_entry_point_exit_2():
+    bad = subprocess.run([sys.executable, "-m", "pagedattn", "bench", "--suite", "huge"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice: 'huge'" in bad.stderr
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys):
+    def missing():
+        raise ImportError("--plot needs matplotlib: pip install 'pagedattn[bench]'")
+    monkeypatch.setattr(report, "check_plot_available", missing)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--plot", "x.png"])
+    assert exc.value.code == 2
+    assert "pip install 'pagedattn[bench]'" in capsys.readouterr().err
+
+
+def test_scenario_filters_by_kind_name_and_glob():
+    suite = tiny_suite()
+    assert [s.name for s in select_scenarios(suite, ["decode"])] == ["decode-b2-c100"]
+    assert [s.kind for s in select_scenarios(suite, ["*-c48", "mixed"])] == ["prefill", "mixed"]
+    assert len(select_scenarios(suite, None)) == len(suite)
+
+
+# ------------------------------------------------------------------ roofline counts
+
+
+def test_flop_and_byte_counts_follow_the_mask():
+    s = Scenario("m", "mixed", (64, 64, 48), (1, 1, 16), num_heads=4, num_kv_heads=2,
+                 head_size=32)
+    # Visible pairs counted independently from the reference's own mask.
+    pairs = sum(int(reference.visibility_mask(q, kv, True).sum())
+                for kv, q in zip(s.seq_lens, s.query_lens))
+    assert s.visible_pairs() == pairs
+    assert s.flops() == 4 * 32 * pairs * 4
+    kv_bytes = (64 + 64 + 48) * 2 * 32 * 2 * 2  # tokens x kv_heads x d x (K,V) x bf16
+    assert s.kv_bytes() == kv_bytes
+    assert s.bytes_moved() == kv_bytes + 2 * s.num_tokens * 4 * 32 * 2
+    w = Scenario("w", "reshape_and_cache", (96,), (96,), num_kv_heads=2, head_size=32)
+    assert w.flops() == 0 and w.bytes_moved() == 2 * 96 * 2 * 32 * 2 * 2
+
+
+def test_inputs_rotate_over_disjoint_random_block_copies():
+    s = tiny_suite()[0]
+    inputs = build_inputs(s, copies=3)
+    used = [set(t[r, : -(-n // s.block_size)].tolist())
+            for t in inputs.block_tables for r, n in enumerate(s.seq_lens)]
+    flat = [b for u in used for b in u]
+    assert len(flat) == len(set(flat)) and 0 not in flat  # disjoint, block 0 reserved
+
+
+# ------------------------------------------------------------------ JSON + table
+
+
+def test_json_output_validates_against_the_schema(tmp_path, capsys, fake_limits):
+    path = tmp_path / "out.json"
+    code, out = _run(["--contenders", FAST, "--repeat", "2", "--json", str(path)], capsys)
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert validate_result(doc) == []
+    assert [s["scenario"]["name"] for s in doc["scenarios"]] == [s.name for s in tiny_suite()]
+    cells = {c["contender"]: c for c in doc["scenarios"][0]["results"]}
+    assert set(cells) == set(FAST.split(","))
+    for name in ("pagedattn", "sdpa-contiguous", "gather+sdpa"):
+        assert cells[name]["status"] == "ok", cells[name]
+        assert cells[name]["repeats"] == len(cells[name]["times_s"]) >= 1
+        assert cells[name]["median_s"] == statistics.median(cells[name]["times_s"])
+    cache_cells = {c["contender"]: c for c in doc["scenarios"][-1]["results"]}
+    assert cache_cells["sdpa-contiguous"]["status"] == "unsupported"
+    assert doc["machine"]["dram_read_gbps"] == 10.0 and doc["versions"]["torch"] == torch.__version__
+    assert "machine   test cpu" in out.out and "DRAM read 10.0 GB/s" in out.out
+
+
+def test_validator_rejects_malformed_documents(tmp_path, capsys, fake_limits):
+    path = tmp_path / "out.json"
+    _run(["--contenders", "pagedattn", "--scenario", "decode", "--repeat", "1",
+          "--json", str(path)], capsys)
+    doc = json.loads(path.read_text())
+    broken = copy.deepcopy(doc)
+    del broken["machine"]["dram_read_gbps"]
+    broken["scenarios"][0]["results"][0]["status"] = "fast"
+    broken["scenarios"][0]["scenario"]["batch"] = True
+    errors = validate_result(broken)
+    assert any("missing required 'dram_read_gbps'" in e for e in errors)
+    assert any("'fast' is not one of" in e for e in errors)
+    assert any("scenario.batch: expected integer, got bool" in e for e in errors)
+    assert validate({"a": 1}, {"type": "object", "additionalProperties": False}) == [
+        "$: unexpected property 'a'"]
+    assert SCHEMA["$defs"]["cell"]["properties"]["status"]["enum"] == list(runner.STATUSES)
+
+
+# ------------------------------------------------------------------ WRONG contenders
+
+
+class _OffByOne(Contender):
+    """Reference output plus a bias: must be flagged WRONG, never timed or ranked."""
+
+    name = "broken"
+    description = "deliberately wrong"
+    kinds = ("decode", "prefill", "mixed", "reshape_and_cache")
+
+    def prepare(self, inputs):
+        if inputs.scenario.kind == "reshape_and_cache":
+            kc, vc = inputs.key_cache, inputs.value_cache
+            # Writes nothing: only the poisoned slots catch it.
+            return Prepared(lambda copy: None,
+                            cache_rows=lambda c: natural_cache_rows(inputs, kc, vc, c),
+                            poison=lambda c: contenders_mod.poison_slots(inputs, kc, vc, c))
+        out = torch.empty_like(inputs.query)
+
+        def run(copy):
+            reference.cpu_attention_with_kv_cache(
+                inputs.query, inputs.key_cache, inputs.value_cache, out,
+                inputs.query_start_loc, inputs.seq_lens, inputs.scale, True, None, (-1, -1),
+                inputs.block_tables[copy], 0.0)
+            out.add_(0.25)
+            return out
+        return Prepared(run)
+
+
+@pytest.fixture
+def broken_contender():
+    contenders_mod.register(_OffByOne())
+    yield
+    contenders_mod.unregister("broken")
+
+
+def test_a_wrong_contender_is_flagged_and_not_ranked(broken_contender, tmp_path, capsys,
+                                                     fake_limits):
+    path = tmp_path / "out.json"
+    code, out = _run(["--contenders", "pagedattn,broken", "--repeat", "1",
+                      "--json", str(path)], capsys)
+    assert code == 0
+    doc = json.loads(path.read_text())
+    for scen in doc["scenarios"]:
+        cell = next(c for c in scen["results"] if c["contender"] == "broken")
+        assert cell["status"] == "wrong", (scen["scenario"]["name"], cell)
+        assert cell["times_s"] == [] and cell["speedup_of_pagedattn"] is None
+    rows = [line for line in out.out.splitlines()
+            if line.startswith(("decode ", "prefill ", "mixed ", "cache-write "))]
+    assert len(rows) == 4 and all("WRONG" in r for r in rows)
+    assert all(" broken " not in r.split("WRONG")[1] for r in rows)  # never "best"
+    assert re.search(r"broken WRONG on decode-b2-c100: max \|diff\| 0\.2\d* > tolerance", out.out)
+    assert "broken WRONG on reshape_and_cache-96: max |diff| inf" in out.out  # poisoned slots
+
+
+def test_a_crashing_contender_is_an_error_not_a_crash(monkeypatch, tmp_path, capsys,
+                                                      fake_limits):
+    class Crashing(_OffByOne):
+        name = "crashing"
+
+        def prepare(self, inputs):
+            raise RuntimeError("kernel exploded")
+    contenders_mod.register(Crashing())
+    try:
+        code, out = _run(["--contenders", "crashing", "--scenario", "decode",
+                          "--repeat", "1"], capsys)
+    finally:
+        contenders_mod.unregister("crashing")
+    assert code == 0
+    assert "ERROR" in out.out and "RuntimeError: kernel exploded" in out.out
+
+
+# ------------------------------------------------------------------ probes + full runs
+
+
+def test_machine_limits_are_cached_per_machine_and_remeasured_on_request(fake_limits):
+    first = probes.load_or_measure(1 << 20, 64)
+    again = probes.load_or_measure(1 << 20, 64)
+    assert len(fake_limits) == 1 and not first.cached and again.cached
+    assert probes.cache_path().name.startswith("machine-")
+    probes.load_or_measure(1 << 20, 64, remeasure=True)
+    probes.load_or_measure(4 << 20, 64)  # a bigger probe than the cached one
+    assert len(fake_limits) == 3
+
+
+def test_bandwidth_and_matmul_probes_measure_something():
+    assert probes.measure_bandwidth(8 << 20, llc=1 << 20, repeat=2) > 0.1
+    assert probes.measure_matmul(128, torch.float32, repeat=2) > 0.1
+
+
+def test_quick_tiny_run_end_to_end_as_a_command(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    path = tmp_path / "q.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedattn", "bench", "--quick", "--suite", "tiny",
+         "--contenders", FAST, "--json", str(path)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "limits    DRAM read" in proc.stdout and "% roof" in proc.stdout
+    assert "[" in proc.stderr and "decode-b2-c100 · pagedattn" in proc.stderr  # progress
+    doc = json.loads(path.read_text())
+    assert validate_result(doc) == [] and doc["options"]["repeat"] == 5
+
+
+@pytest.mark.skipif(not os.environ.get("PAGEDATTN_SLOW_TESTS"),
+                    reason="the real --quick run takes ~2 minutes; set PAGEDATTN_SLOW_TESTS=1")
+def test_real_quick_run_finishes_in_two_minutes(tmp_path):
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pagedattn", "bench", "--quick",
+                           "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert time.perf_counter() - t0 < 120
+    assert "WRONG" not in proc.stdout.split("\n\n")[1]
