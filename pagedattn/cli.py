@@ -2,6 +2,8 @@
 
     pagedattn info      version, torch, CPU instruction set, every backend and whether
                         it is usable on this machine (and why not)
+    pagedattn bench     side-by-side attention benchmark with a roofline (see
+                        ``pagedattn bench --help``)
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pagedattn.bench import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedattn", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     info.add_argument("--block-size", type=int, default=16)
     info.set_defaults(func=cmd_info)
+    bench = sub.add_parser("bench", help="time pagedattn against other attention "
+                           "implementations, with this machine's roofline",
+                           description="Time pagedattn's CPU attention against other "
+                           "implementations on a scenario suite; every output is checked "
+                           "against the reference first.")
+    from pagedattn.bench.cli import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=cmd_bench, bench_parser=bench)
     return parser
 
 

@@ -177,7 +177,7 @@ def to_json(result: BenchResult, argv: list[str] | None = None) -> dict:
     doc = {
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": ["pagedattn", "bench", *(argv or [])],
+        "command": list(argv) if argv is not None else list(sys.argv),
         "wall_s": result.wall_s,
         "machine": result.machine.to_json(),
         "versions": result.versions,
