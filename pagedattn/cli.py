@@ -22,9 +22,11 @@ def _native_status() -> tuple[str, str]:
     from pagedattn import ops
 
     if not ops.native_available():
-        return (f"not loaded ({ops.native_load_error()}); ops run the pure-PyTorch reference",
+        from pagedattn.ops import _native
+
+        return (f"not loaded ({_native.LOAD_ERROR}); ops run the pure-PyTorch reference",
                 f"n/a (torch reports {torch.backends.cpu.get_cpu_capability()})")
-    detected = ops.detected_cpu_isa()
+    detected = ops.best_cpu_isa()
     active = ops.get_cpu_isa()
     isa = detected.value if active == detected else f"{active.value} (forced; CPU supports {detected.value})"
     return "loaded", isa

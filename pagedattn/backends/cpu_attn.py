@@ -1,0 +1,491 @@
+"""CPU_ATTN: the native CPU paged-attention backend (vLLM ``cpu_attn.py`` shape).
+
+Plan/run split: :class:`CPUAttentionMetadataBuilder` turns a step's
+``CommonAttentionMetadata`` into an immutable :class:`CPUAttentionMetadata` (kernel ISA
+hint, scheduler work partition, optional SDPA prefill split); every layer's
+:class:`CPUAttentionBackendImpl.forward` only consumes it.
+
+Paths in ``forward``:
+
+* ENCODER / ENCODER_ONLY: no cache; per-sequence SDPA over the step's own K/V.
+* DECODER / ENCODER_DECODER: write K/V into the paged cache (unless the layer shares
+  another layer's cache, or key/value are ``None`` as in cross attention after the
+  encoder step), then the native kernel; with ``use_sdpa_prefill`` the prefill
+  requests (which then have no prior context) go through SDPA and only the decodes
+  through the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from pagedattn import ops
+from pagedattn.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+    is_quantized_kv_cache,
+)
+from pagedattn.config import EngineConfig
+from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
+from pagedattn.ops.reference import visibility_mask
+
+_SUPPORTED_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+
+
+class CPUAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_dtypes(cls) -> list[torch.dtype]:
+        return list(cls.supported_dtypes)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(_SUPPORTED_HEAD_SIZES)
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        """Decoder, encoder, encoder-only and encoder-decoder (cross) attention."""
+        return attn_type in (
+            AttentionType.DECODER,
+            AttentionType.ENCODER,
+            AttentionType.ENCODER_ONLY,
+            AttentionType.ENCODER_DECODER,
+        )
+
+    @staticmethod
+    def get_impl_cls() -> type[CPUAttentionBackendImpl]:
+        return CPUAttentionBackendImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[CPUAttentionMetadataBuilder]:
+        return CPUAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """``[2, num_blocks, num_kv_heads, block_size, head_size]`` (K then V)."""
+        return 2, num_blocks, num_kv_heads, block_size, head_size
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+
+@dataclass
+class CPUAttentionMetadata:
+    """One step's plan for CPU_ATTN, shared by every layer of the step.
+
+    Tensors are on the CPU. When ``use_sdpa_prefill`` is set, the kernel fields
+    (``query_start_loc``, ``seq_lens``, ``block_table``, ``scheduler_metadata``) cover
+    only the first ``num_decodes`` requests, and ``sdpa_start_loc`` the prefills.
+    """
+
+    isa: str
+    """Kernel variant hint passed to the native ops (``vec``, ``vec16``, ``amx``, ``neon``)."""
+    num_actual_tokens: int
+    """Real query tokens of the step (rows past it are padding)."""
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    """int32 ``[num_kernel_reqs + 1]``: query rows of each request run by the kernel."""
+    max_seq_len: int
+    seq_lens: torch.Tensor
+    """int32 ``[num_kernel_reqs]``: keys visible to each request (context + new)."""
+    block_table: torch.Tensor
+    """int32 ``[num_kernel_reqs, max_blocks]``."""
+    slot_mapping: torch.Tensor
+    """int64 ``[num_tokens]``: cache slot of each new token, ``-1`` = padding."""
+    scheduler_metadata: torch.Tensor | None
+    """Opaque work partition from ``cpu_attn_get_scheduler_metadata``."""
+    causal: bool = True
+    use_sdpa_prefill: bool = False
+    num_decode_tokens: int = 0
+    """Query rows of the decode requests (the first rows when ``use_sdpa_prefill``)."""
+    sdpa_start_loc: torch.Tensor | None = None
+    """int32 CPU ``[num_sdpa_seqs + 1]``: per-sequence rows for the SDPA path, relative
+    to the first row that path receives."""
+    sdpa_attn_masks: dict = field(default_factory=dict)
+    """Dense SDPA biases per (window, alibi, causal) key, built on first use and shared
+    by the layers of the step that need the same one."""
+
+    def __post_init__(self) -> None:
+        if self.query_start_loc.numel() != self.seq_lens.numel() + 1:
+            raise ValueError(
+                f"query_start_loc has {self.query_start_loc.numel()} entries for "
+                f"{self.seq_lens.numel()} requests (expected {self.seq_lens.numel() + 1})"
+            )
+        if self.block_table.dim() != 2 or self.block_table.shape[0] < self.seq_lens.numel():
+            raise ValueError(
+                f"block_table must have at least {self.seq_lens.numel()} rows, "
+                f"got shape {tuple(self.block_table.shape)}"
+            )
+
+
+def _leading_decodes(query_lens: list[int], threshold: int) -> int:
+    """Number of requests at the front of the batch with ``query_len <= threshold``."""
+    n = 0
+    while n < len(query_lens) and query_lens[n] <= threshold:
+        n += 1
+    return n
+
+
+class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):
+    """Builds :class:`CPUAttentionMetadata`.
+
+    ``use_sdpa_prefill`` (default off: the native kernel handles prefills) routes
+    prefill requests through torch SDPA. It is honoured only for batches whose
+    prefills start from an empty cache (SDPA sees only the step's own K/V) and that the
+    runner ordered decodes-first; otherwise the whole batch goes to the kernel.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: EngineConfig,
+        device: torch.device,
+        use_sdpa_prefill: bool = False,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.use_sdpa_prefill = use_sdpa_prefill
+        # Decodes first: the runner moves requests with query_len <= 1 to the front.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        parallel_config = vllm_config.parallel_config
+        model_config = vllm_config.model_config
+        self.num_heads = model_config.get_num_attention_heads(parallel_config)
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.head_dim = kv_cache_spec.head_size
+        self.dtype = model_config.dtype
+        self.block_size = kv_cache_spec.block_size
+        window = kv_cache_spec.sliding_window
+        self.window_size = -1 if window is None else window
+        self.is_cross_attention = isinstance(kv_cache_spec, CrossAttentionSpec)
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by the cache's "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        self.isa = ops.select_cpu_isa_hint(self.block_size, self.dtype)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> CPUAttentionMetadata:
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        query_start_loc = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int32)
+        seq_lens = cm.seq_lens[:num_reqs].cpu().to(torch.int32)
+        block_table = cm.block_table_tensor[:num_reqs]
+        causal = cm.causal
+        if self.is_cross_attention:
+            if cm.encoder_seq_lens is None:
+                raise ValueError("cross attention needs common_attn_metadata.encoder_seq_lens")
+            seq_lens = cm.encoder_seq_lens[:num_reqs].cpu().to(torch.int32)
+            causal = False
+            query_start_loc, seq_lens, block_table = _split_queries_longer_than_keys(
+                query_start_loc, seq_lens, block_table
+            )
+            num_reqs = seq_lens.numel()
+
+        num_decode_tokens, sdpa_start_loc, use_sdpa = 0, None, False
+        if self.use_sdpa_prefill and causal and not self.is_cross_attention:
+            query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+            num_decodes = _leading_decodes(query_lens, self.reorder_batch_threshold)
+            prefills_fresh = all(
+                q == s for q, s in zip(query_lens[num_decodes:], seq_lens[num_decodes:].tolist())
+            )
+            # Only worth it (and only correct) for fresh prefills after the decodes.
+            if num_decodes < num_reqs and prefills_fresh:
+                use_sdpa = True
+                num_decode_tokens = int(query_start_loc[num_decodes])
+                sdpa_start_loc = query_start_loc[num_decodes:] - num_decode_tokens
+                query_start_loc = query_start_loc[: num_decodes + 1]
+                seq_lens = seq_lens[:num_decodes]
+                block_table = block_table[:num_decodes]
+                num_reqs = num_decodes
+        if sdpa_start_loc is None:
+            sdpa_start_loc = query_start_loc
+
+        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=num_reqs,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            seq_lens=seq_lens,
+            dtype=self.dtype,
+            query_start_loc=query_start_loc,
+            causal=causal,
+            sliding_window_size=self.window_size,
+            isa=self.isa,
+            enable_kv_split=True,
+        )
+        return CPUAttentionMetadata(
+            isa=self.isa,
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=cm.max_query_len,
+            query_start_loc=query_start_loc,
+            max_seq_len=cm.max_seq_len,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=cm.slot_mapping,
+            scheduler_metadata=scheduler_metadata,
+            causal=causal,
+            use_sdpa_prefill=use_sdpa,
+            num_decode_tokens=num_decode_tokens,
+            sdpa_start_loc=sdpa_start_loc,
+        )
+
+
+def _split_queries_longer_than_keys(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross attention may have more decoder queries than encoder keys, which the kernel
+    rejects (``seq_len < query_len``). Without a causal mask or window a query's position
+    does not matter, so such a request is cut into pieces of at most ``seq_len`` queries,
+    each reading the same blocks."""
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    kv_lens = seq_lens.tolist()
+    if all(q <= s for q, s in zip(query_lens, kv_lens)):
+        return query_start_loc, seq_lens, block_table
+    starts, lens, rows = [0], [], []
+    for r, (q, s) in enumerate(zip(query_lens, kv_lens)):
+        if s == 0 and q > 0:
+            raise ValueError(f"cross attention request {r} has {q} queries but no encoder keys")
+        pieces = [q] if q <= s else [s] * (q // s) + ([q % s] if q % s else [])
+        for piece in pieces:
+            starts.append(starts[-1] + piece)
+            lens.append(s)
+            rows.append(r)
+    return (
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        block_table[torch.tensor(rows, dtype=torch.long)],
+    )
+
+
+class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
+                f"({num_kv_heads})"
+            )
+        if is_quantized_kv_cache(kv_cache_dtype):
+            raise NotImplementedError(
+                f"FP8 KV cache is unsupported in CPU_ATTN (kv_cache_dtype={kv_cache_dtype!r}); "
+                "use kv_cache_dtype='auto'"
+            )
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+        self.attn_type = AttentionType.parse(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        self.alibi_slopes = (
+            torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
+        )
+        if self.alibi_slopes is not None and self.alibi_slopes.numel() != num_heads:
+            raise ValueError(
+                f"alibi_slopes must have num_heads={num_heads} entries, got {self.alibi_slopes.numel()}"
+            )
+        # Window tuple (left, right): decoders look back only; encoder-only layers look
+        # both ways.
+        if sliding_window is None:
+            self.sliding_window = (-1, -1)
+        elif self.attn_type == AttentionType.ENCODER_ONLY:
+            self.sliding_window = (sliding_window - 1, sliding_window - 1)
+        else:
+            self.sliding_window = (sliding_window - 1, 0)
+        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
+            raise ValueError(
+                f"sinks must have shape [num_heads={num_heads}], got {tuple(sinks.shape)}"
+            )
+        self.sinks = sinks
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for one layer of the step.
+
+        Args:
+            query: ``[num_tokens, num_heads, head_size]``.
+            key, value: ``[num_tokens, num_kv_heads, head_size]``, or ``None`` for cross
+                attention once the encoder's K/V are cached.
+            kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``.
+            attn_metadata: the step's plan; ``None`` during warm-up (output untouched).
+            output: ``[num_tokens, num_heads, head_size]``, written in place.
+        Returns:
+            ``output``.
+        """
+        if output is None:
+            raise ValueError("CPU_ATTN writes into a caller-provided output tensor; got output=None")
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "fused output quantization is not supported by CPUAttentionBackendImpl"
+            )
+        if attn_metadata is None:  # warm-up / profiling run
+            return output
+        num_tokens = attn_metadata.num_actual_tokens
+
+        if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            if key is None or value is None:
+                raise ValueError(f"{self.attn_type.value} attention needs key and value tensors")
+            self._sdpa_forward(
+                query[:num_tokens], key[:num_tokens], value[:num_tokens],
+                output[:num_tokens], attn_metadata, causal=False,
+            )
+            return output
+
+        key_cache, value_cache = kv_cache.unbind(0)
+        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+            ops.cpu_attn_reshape_and_cache(
+                key, value, key_cache, value_cache, attn_metadata.slot_mapping, attn_metadata.isa
+            )
+
+        if attn_metadata.use_sdpa_prefill:
+            lo = attn_metadata.num_decode_tokens
+            if key is None or value is None:
+                raise ValueError("the SDPA prefill path needs this step's key and value")
+            self._sdpa_forward(
+                query[lo:num_tokens], key[lo:num_tokens], value[lo:num_tokens],
+                output[lo:num_tokens], attn_metadata, causal=True,
+            )
+            num_tokens = lo
+
+        if num_tokens > 0:
+            ops.cpu_attention_with_kv_cache(
+                query=query[:num_tokens],
+                key_cache=key_cache,
+                value_cache=value_cache,
+                output=output[:num_tokens],
+                query_start_loc=attn_metadata.query_start_loc,
+                seq_lens=attn_metadata.seq_lens,
+                scale=self.scale,
+                causal=attn_metadata.causal,
+                alibi_slopes=self.alibi_slopes,
+                sliding_window=self.sliding_window,
+                block_table=attn_metadata.block_table,
+                softcap=self.logits_soft_cap,
+                scheduler_metadata=attn_metadata.scheduler_metadata,
+                s_aux=self.sinks,
+            )
+        return output
+
+    # ------------------------------------------------------------------ SDPA path
+
+    def _sdpa_bias(self, seq_len: int, causal: bool, attn_metadata: CPUAttentionMetadata,
+                   dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive ``[H, L, L]`` bias (or ``None`` when SDPA's own causal flag suffices)."""
+        has_window = self.sliding_window != (-1, -1)
+        if self.alibi_slopes is None and not has_window:
+            return None
+        key = (seq_len, causal, self.sliding_window,
+               None if self.alibi_slopes is None else tuple(self.alibi_slopes.tolist()), dtype)
+        bias = attn_metadata.sdpa_attn_masks.get(key)
+        if bias is None:
+            visible = visibility_mask(seq_len, seq_len, causal, self.sliding_window)
+            bias = torch.zeros(self.num_heads, seq_len, seq_len, dtype=torch.float32)
+            if self.alibi_slopes is not None:
+                pos = torch.arange(seq_len, dtype=torch.float32)
+                bias += self.alibi_slopes.view(-1, 1, 1) * (pos.view(1, 1, -1) - pos.view(1, -1, 1))
+            bias = bias.masked_fill(~visible, float("-inf")).to(dtype)
+            attn_metadata.sdpa_attn_masks[key] = bias
+        return bias
+
+    def _sdpa_forward(self, query, key, value, output, attn_metadata, *, causal: bool) -> None:
+        """Per-sequence attention over the step's own K/V (no cache), into ``output``."""
+        starts = attn_metadata.sdpa_start_loc.tolist()
+        for lo, hi in zip(starts[:-1], starts[1:]):
+            if hi == lo:
+                continue
+            q = query[lo:hi].transpose(0, 1)  # [H, L, D]
+            k = key[lo:hi].transpose(0, 1)
+            v = value[lo:hi].transpose(0, 1)
+            if self.logits_soft_cap > 0 or self.sinks is not None:
+                out = self._math_attention(q, k, v, causal)
+            else:
+                bias = self._sdpa_bias(hi - lo, causal, attn_metadata, query.dtype)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=bias, is_causal=causal and bias is None,
+                    scale=self.scale, enable_gqa=self.num_heads > self.num_kv_heads,
+                )
+            output[lo:hi] = out.transpose(0, 1)
+
+    def _math_attention(self, q, k, v, causal: bool) -> torch.Tensor:
+        """fp32 attention with softcap and sinks, which SDPA cannot express."""
+        seq_len = q.shape[1]
+        k = k.float().repeat_interleave(self.num_queries_per_kv, dim=0)
+        v = v.float().repeat_interleave(self.num_queries_per_kv, dim=0)
+        scores = torch.matmul(q.float(), k.transpose(1, 2)) * self.scale
+        if self.logits_soft_cap > 0:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        if self.alibi_slopes is not None:
+            pos = torch.arange(seq_len, dtype=torch.float32)
+            scores = scores + self.alibi_slopes.view(-1, 1, 1) * (pos.view(1, 1, -1) - pos.view(1, -1, 1))
+        visible = visibility_mask(seq_len, seq_len, causal, self.sliding_window)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if self.sinks is not None:
+            sink_col = self.sinks.float().view(-1, 1, 1).expand(-1, seq_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, v).to(q.dtype)

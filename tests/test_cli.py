@@ -1,0 +1,28 @@
+"""The `pagedattn` command line."""
+
+import subprocess
+import sys
+
+from pagedattn.cli import main
+
+
+def test_info_prints_versions_isa_and_backends(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("pagedattn ")
+    assert "torch     2." in out
+    assert "CPU ISA" in out
+    assert "CPU_ATTN" in out and "usable" in out
+
+
+def test_info_reports_why_a_backend_is_not_usable(capsys):
+    assert main(["info", "--head-size", "48"]) == 0
+    assert "CPU_ATTN           not usable: head_size not supported" in capsys.readouterr().out
+
+
+def test_module_entry_point_and_argument_errors():
+    ok = subprocess.run([sys.executable, "-m", "pagedattn", "info"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "pagedattn", "info", "--dtype", "int8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice: 'int8'" in bad.stderr
