@@ -281,3 +281,12 @@ def test_real_quick_run_finishes_in_two_minutes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert time.perf_counter() - t0 < 120
     assert "WRONG" not in proc.stdout.split("\n\n")[1]
+
+
+def test_plot_is_written_when_matplotlib_is_installed(tmp_path, capsys, fake_limits):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    code, out = _run(["--contenders", "pagedattn,sdpa-contiguous", "--repeat", "1",
+                      "--plot", str(path)], capsys)
+    assert code == 0 and f"wrote {path}" in out.out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-QUICK = {"suite": "quick", "repeat": 5, "budget_s": 2.5, "probe_bytes": 256 << 20,
+QUICK = {"suite": "quick", "repeat": 5, "budget_s": 1.5, "probe_bytes": 256 << 20,
          "matmul_size": 1536}
 FULL = {"suite": "default", "repeat": 9, "budget_s": 20.0, "probe_bytes": 512 << 20,
         "matmul_size": 2048}
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed repeats per cell, median reported (default 9; 5 with --quick)")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="time budget per scenario x contender; slow contenders get fewer "
-                        "repeats (default 20; 2.5 with --quick)")
+                        "repeats (default 20; 1.5 with --quick)")
     p.add_argument("--json", metavar="PATH", help="write every raw timing, machine info and "
                                                   "versions as JSON (schema: pagedattn.bench.schema)")
     p.add_argument("--plot", metavar="PATH.png",

@@ -96,7 +96,8 @@ def _main_columns(sr: ScenarioResult, machine) -> tuple[str, str, str]:
         rate = f"{m['gflops']:.0f} GFLOP/s"
     frac = f"{100 * m['roofline_fraction']:.0f}%"
     stream = "-"
-    if sr.scenario.kind in BANDWIDTH_KINDS and sr.stream_median_s:
+    if (sr.scenario.kind in BANDWIDTH_KINDS and sr.stream_median_s
+            and roofline(sr, machine)["bound"] == "memory"):
         stream = f"{cell.median_s / sr.stream_median_s:.2f}"
     return rate, frac, stream
 
@@ -134,7 +135,8 @@ def render_notes(result: BenchResult) -> str:
         "times: median per call; (Nx) = pagedattn's speed-up over that contender; "
         "* = fewer repeats than --repeat (time budget)",
         "% roof = roofline time / pagedattn time (memory: bytes / DRAM read bw; compute: "
-        "FLOPs / matmul peak); t/stream = pagedattn time / torch.sum over as many fresh bytes",
+        "FLOPs / matmul peak); t/stream = pagedattn time / torch.sum over as many fresh bytes "
+        "(memory-bound rows)",
     ]
     for name, info in result.contenders.items():
         if not info["available"]:
@@ -166,6 +168,7 @@ def to_json(result: BenchResult, argv: list[str] | None = None) -> dict:
                 "note": cell.note, "times_s": list(cell.times_s), "median_s": cell.median_s,
                 "repeats": len(cell.times_s), "budget_limited": cell.budget_limited,
                 "max_abs_err": cell.max_abs_err, "tolerance": cell.tolerance,
+                "wall_s": cell.wall_s,
                 **cell_metrics(cell, sr, result.machine),
             })
         scenarios.append({
@@ -179,6 +182,7 @@ def to_json(result: BenchResult, argv: list[str] | None = None) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": list(argv) if argv is not None else list(sys.argv),
         "wall_s": result.wall_s,
+        "other_load_cores": result.other_load_cores,
         "machine": result.machine.to_json(),
         "versions": result.versions,
         "options": {"suite": opts.suite, "scenarios": opts.scenarios, "contenders": list(result.contenders),
@@ -230,11 +234,16 @@ def write_plot(result: BenchResult, path: str) -> None:
         xs, ys = [], []
         for i, sr in enumerate(result.scenarios):
             cell = sr.cells.get(name)
+            x = i - 0.4 + width * (k + 0.5)
             sp = cell_metrics(cell, sr, machine)["speedup_of_pagedattn"] if cell else None
             if sp:
-                xs.append(i - 0.4 + width * (k + 0.5))
+                xs.append(x)
                 ys.append(sp)
-        ax1.bar(xs, ys, width, label=name)
+            elif cell is not None and cell.status in ("wrong", "error"):
+                ax1.text(x, 1.0, cell.status.upper(), rotation=90, ha="center", va="bottom",
+                         fontsize=7, color="red")
+        bars = ax1.bar(xs, ys, width, label=name)
+        ax1.bar_label(bars, [f"{y:.1f}x" if y < 100 else f"{y:.0f}x" for y in ys], fontsize=6)
     ax1.axhline(1.0, color="black", lw=0.8)
     ax1.set_yscale("log")
     ax1.set_ylabel("pagedattn speed-up (x, log)\n>1: pagedattn faster")
@@ -247,7 +256,8 @@ def write_plot(result: BenchResult, path: str) -> None:
         m = cell_metrics(cell, sr, machine) if cell else {"roofline_fraction": None}
         fracs.append(100 * (m["roofline_fraction"] or 0))
         colors.append("tab:blue" if roofline(sr, machine)["bound"] == "memory" else "tab:orange")
-    ax2.bar(range(len(labels)), fracs, color=colors)
+    bars = ax2.bar(range(len(labels)), fracs, color=colors)
+    ax2.bar_label(bars, [f"{f:.0f}%" for f in fracs], fontsize=7)
     ax2.axhline(100, color="black", lw=0.8, ls="--")
     ax2.set_ylabel("% of machine limit")
     ax2.set_title(f"pagedattn roofline fraction (blue: DRAM {machine.dram_read_gbps:.0f} GB/s; "

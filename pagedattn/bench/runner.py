@@ -18,6 +18,7 @@ Reported times are medians of the repeats.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import sys
 import time
@@ -87,6 +88,7 @@ class Cell:
     max_abs_err: float | None = None
     tolerance: float | None = None
     budget_limited: bool = False
+    wall_s: float = 0.0  # prepare + check + timing, for planning runs
 
     @property
     def median_s(self) -> float | None:
@@ -113,6 +115,7 @@ class BenchResult:
     contenders: dict[str, dict]
     scenarios: list[ScenarioResult]
     wall_s: float = 0.0
+    other_load_cores: float | None = None  # cores other processes kept busy at the start
 
 
 # -------------------------------------------------------------------------- progress
@@ -292,10 +295,6 @@ def _run_cell(contender: Contender, inputs: ScenarioInputs, checker: _Checker,
                 cell.status = "wrong"
                 cell.reason = f"max |diff| {err:.3g} > tolerance ({what})"
                 return cell, []
-        else:
-            if prepared.poison is not None:
-                prepared.poison(0)
-            prepared.run(0)  # the oracle's first call is a warm-up like everyone's
         times, stream_times, limited = _time_cell(
             prepared, inputs.copies, opts.repeat, opts.budget_s, stream)
         cell.times_s, cell.budget_limited = times, limited
@@ -342,6 +341,8 @@ def run_bench(opts: BenchOptions, *, log=print) -> BenchResult:
     started = time.perf_counter()
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
+    load = other_load()  # before our own probes make the machine busy
+    warning = load_warning(torch.get_num_threads(), load)
     machine = probes.load_or_measure(opts.probe_bytes, opts.matmul_size, remeasure=opts.remeasure)
     names = opts.contender_names()
     if "reference" not in names:
@@ -358,6 +359,8 @@ def run_bench(opts: BenchOptions, *, log=print) -> BenchResult:
     if not timed_reference:
         del contenders["reference"], availability["reference"]
     log_machine(machine, log)
+    if warning:
+        log(warning)
 
     scenarios = opts.selected
     progress = Progress(len(scenarios) * len(contenders), opts.progress)
@@ -379,7 +382,9 @@ def run_bench(opts: BenchOptions, *, log=print) -> BenchResult:
             if not availability[name]["available"]:
                 cells[name] = Cell(name, "unavailable", availability[name]["reason"])
                 continue
+            t0 = time.perf_counter()
             cell, st = _run_cell(contender, inputs, checker, opts, stream)
+            cell.wall_s = time.perf_counter() - t0
             cells[name] = cell
             stream_times += st
         results.append(ScenarioResult(s, copies, cells, stream_times))
@@ -387,7 +392,40 @@ def run_bench(opts: BenchOptions, *, log=print) -> BenchResult:
         gc.collect()
     progress.close()
     return BenchResult(opts, machine, _versions(list(contenders)), availability, results,
-                       wall_s=time.perf_counter() - started)
+                       wall_s=time.perf_counter() - started, other_load_cores=load)
+
+
+def _cpu_busy_s() -> float | None:
+    """Busy CPU-seconds of the whole machine so far (Linux /proc/stat), else None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def other_load(sample_s: float = 0.3) -> float | None:
+    """Cores kept busy by *other* processes over a short sample (ours subtracted)."""
+    busy0, self0, t0 = _cpu_busy_s(), time.process_time(), time.perf_counter()
+    if busy0 is None:
+        return None
+    time.sleep(sample_s)
+    busy1, self1 = _cpu_busy_s(), time.process_time()
+    return max(0.0, (busy1 - busy0) - (self1 - self0)) / (time.perf_counter() - t0)
+
+
+def load_warning(threads: int, load: float | None) -> str | None:
+    """A warning when other processes take cores the benchmark threads need."""
+    if load is None:
+        return None
+    spare = (os.cpu_count() or 1) - threads
+    if load > spare + 0.25:
+        return (f"warning   other processes keep {load:.1f} of {os.cpu_count()} cores busy while "
+                f"the bench uses {threads} threads: timings will be noisy")
+    return None
 
 
 def log_machine(machine: probes.MachineLimits, log) -> None:

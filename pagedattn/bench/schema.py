@@ -9,7 +9,7 @@ same schema.
 
 Document outline (times in seconds, rates in 1e9 units)::
 
-    {schema_version, created, command[], wall_s,
+    {schema_version, created, command[], wall_s, other_load_cores,
      machine:  {cpu_model, logical_cores, threads, llc_bytes, dram_read_gbps,
                 matmul_gflops{dtype: GFLOP/s}, probe_bytes, matmul_size, measured_at, cached},
      versions: {pagedattn, torch, python, ...},
@@ -41,6 +41,7 @@ SCHEMA: dict = {
         "created": {"type": "string"},
         "command": {"type": "array", "items": {"type": "string"}},
         "wall_s": _NUM,
+        "other_load_cores": _NUM_OR_NULL,
         "machine": {
             "type": "object",
             "required": ["cpu_model", "logical_cores", "threads", "llc_bytes",
@@ -127,6 +128,7 @@ SCHEMA: dict = {
                 "budget_limited": {"type": "boolean"},
                 "max_abs_err": _NUM_OR_NULL,
                 "tolerance": _NUM_OR_NULL,
+                "wall_s": {"type": "number", "minimum": 0},
                 "gbps": _NUM_OR_NULL,
                 "gflops": _NUM_OR_NULL,
                 "roofline_fraction": _NUM_OR_NULL,
