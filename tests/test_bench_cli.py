@@ -290,3 +290,16 @@ def test_plot_is_written_when_matplotlib_is_installed(tmp_path, capsys, fake_lim
                       "--plot", str(path)], capsys)
     assert code == 0 and f"wrote {path}" in out.out
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_benchmark_scripts_reuse_the_bench(capsys, fake_limits):
+    from pagedattn.bench import scripts
+
+    code = scripts.main("decode", "decode", ["--model", "llama3-70b-tp8", "--batch", "1,2",
+                                             "--context", "64", "--contenders", "pagedattn",
+                                             "--repeat", "1", "--no-progress"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode ")]
+    assert code == 0 and len(rows) == 2 and all(" 8/1 " in r and " 128 " in r for r in rows)
+    with pytest.raises(SystemExit) as exc:
+        scripts.main("prefill", "prefill", ["--batch", "0"])
+    assert exc.value.code == 2 and "expected positive integers, got '0'" in capsys.readouterr().err

@@ -335,9 +335,11 @@ def _versions(names: list[str]) -> dict:
     return info
 
 
-def run_bench(opts: BenchOptions, *, log=print) -> BenchResult:
+def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, log=print
+              ) -> BenchResult:
     """Measure the machine (or load its cached limits), then run every selected scenario
-    x contender. ``log`` receives the lines printed above the table."""
+    (or the explicit ``scenarios``) x contender. ``log`` receives the lines printed above
+    the table."""
     started = time.perf_counter()
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
@@ -362,7 +364,7 @@ def run_bench(opts: BenchOptions, *, log=print) -> BenchResult:
     if warning:
         log(warning)
 
-    scenarios = opts.selected
+    scenarios = opts.selected if scenarios is None else scenarios
     progress = Progress(len(scenarios) * len(contenders), opts.progress)
     results = []
     for s in scenarios:
