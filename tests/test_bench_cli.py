@@ -303,3 +303,23 @@ def test_benchmark_scripts_reuse_the_bench(capsys, fake_limits):
     with pytest.raises(SystemExit) as exc:
         scripts.main("prefill", "prefill", ["--batch", "0"])
     assert exc.value.code == 2 and "expected positive integers, got '0'" in capsys.readouterr().err
+
+
+def test_limits_measured_on_a_busy_machine_are_not_cached(fake_limits):
+    busy = probes.load_or_measure(1 << 20, 64, busy=True)
+    assert "not_cached" in busy.details and not probes.cache_path().exists()
+    probes.load_or_measure(1 << 20, 64)
+    assert probes.cache_path().exists() and len(fake_limits) == 2
+
+
+def test_threads_option_sets_torch_threads_for_the_run(tmp_path, capsys, fake_limits):
+    before = torch.get_num_threads()
+    path = tmp_path / "t.json"
+    try:
+        code, _ = _run(["--threads", "1", "--contenders", "pagedattn", "--scenario", "decode",
+                        "--repeat", "1", "--json", str(path)], capsys)
+        assert code == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    doc = json.loads(path.read_text())
+    assert doc["machine"]["threads"] == 1 and doc["options"]["threads"] == 1

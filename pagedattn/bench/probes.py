@@ -153,10 +153,14 @@ def measure(probe_bytes: int, matmul_size: int) -> MachineLimits:
     )
 
 
-def load_or_measure(probe_bytes: int, matmul_size: int, *, remeasure: bool = False
-                    ) -> MachineLimits:
+def load_or_measure(probe_bytes: int, matmul_size: int, *, remeasure: bool = False,
+                    busy: bool = False) -> MachineLimits:
     """Cached limits for this machine and thread count, measuring them when absent, when
-    the cached probe was smaller than asked (a smoke test's), or when ``remeasure``."""
+    the cached probe was smaller than asked (a smoke test's), or when ``remeasure``.
+
+    ``busy``: other processes are loading the cores, so a fresh measurement is used for
+    this run only and never cached (it would understate the limits of every later run).
+    """
     path = cache_path()
     threads = str(torch.get_num_threads())
     entries: dict = {}
@@ -174,6 +178,9 @@ def load_or_measure(probe_bytes: int, matmul_size: int, *, remeasure: bool = Fal
         except TypeError:
             pass  # an older cache format: measure again
     limits = measure(probe_bytes, matmul_size)
+    if busy:
+        limits.details["not_cached"] = "measured while other processes loaded the cores"
+        return limits
     entries = entries if isinstance(entries, dict) else {}
     entries[threads] = {**limits.to_json(), "cached": False}
     try:

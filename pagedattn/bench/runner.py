@@ -345,7 +345,8 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
         torch.set_num_threads(opts.threads)
     load = other_load()  # before our own probes make the machine busy
     warning = load_warning(torch.get_num_threads(), load)
-    machine = probes.load_or_measure(opts.probe_bytes, opts.matmul_size, remeasure=opts.remeasure)
+    machine = probes.load_or_measure(opts.probe_bytes, opts.matmul_size,
+                                     remeasure=opts.remeasure, busy=warning is not None)
     names = opts.contender_names()
     if "reference" not in names:
         names.append("reference")  # not timed unless asked; its checks need no column
@@ -432,6 +433,8 @@ def load_warning(threads: int, load: float | None) -> str | None:
 
 def log_machine(machine: probes.MachineLimits, log) -> None:
     src = "cached" if machine.cached else "measured now"
+    if "not_cached" in machine.details:
+        src += " (not cached: other processes were busy)"
     flops = ", ".join(f"{k} {v:,.0f}" for k, v in machine.matmul_gflops.items())
     log(f"machine   {machine.cpu_model}, {machine.logical_cores} cores, {machine.threads} threads, "
         f"LLC {machine.llc_bytes >> 20} MiB")
