@@ -323,3 +323,15 @@ def test_threads_option_sets_torch_threads_for_the_run(tmp_path, capsys, fake_li
         torch.set_num_threads(before)
     doc = json.loads(path.read_text())
     assert doc["machine"]["threads"] == 1 and doc["options"]["threads"] == 1
+
+
+def test_stream_views_are_disjoint_slices_of_the_pool():
+    pool = torch.zeros(2, 50, 4, 16, 32, dtype=torch.bfloat16)
+    views = probes.stream_views(pool, nbytes=100_000, copies=3)
+    assert [v.numel() * 4 for v in views] == [100_000] * 3
+    base = pool.data_ptr()
+    spans = sorted((v.data_ptr() - base, v.data_ptr() - base + v.numel() * 4) for v in views)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] <= pool.numel() * 2
+    views[1].fill_(1.0)  # a view, not a copy
+    assert pool.count_nonzero() > 0

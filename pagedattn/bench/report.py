@@ -79,6 +79,12 @@ def _cell_text(cell: Cell | None, sr: ScenarioResult, machine) -> str:
     return text
 
 
+def stream_time_for(sr: ScenarioResult) -> float:
+    """The stream time scaled to exactly the scenario's bytes (the streamed slice may
+    differ slightly: the KV alone, without query and output)."""
+    return sr.stream_median_s * sr.scenario.bytes_moved() / max(1, sr.stream_bytes)
+
+
 def _best(sr: ScenarioResult) -> str:
     ok = [c for c in sr.cells.values() if c.status == "ok" and c.median_s]
     return min(ok, key=lambda c: c.median_s).contender if ok else "-"
@@ -98,7 +104,7 @@ def _main_columns(sr: ScenarioResult, machine) -> tuple[str, str, str]:
     stream = "-"
     if (sr.scenario.kind in BANDWIDTH_KINDS and sr.stream_median_s
             and roofline(sr, machine)["bound"] == "memory"):
-        stream = f"{cell.median_s / sr.stream_median_s:.2f}"
+        stream = f"{cell.median_s / stream_time_for(sr):.2f}"
     return rate, frac, stream
 
 
@@ -174,7 +180,8 @@ def to_json(result: BenchResult, argv: list[str] | None = None) -> dict:
         scenarios.append({
             "scenario": sr.scenario.describe(), "copies": sr.copies,
             "roofline": roofline(sr, result.machine),
-            "stream": {"times_s": list(sr.stream_times_s), "median_s": sr.stream_median_s},
+            "stream": {"times_s": list(sr.stream_times_s), "median_s": sr.stream_median_s,
+                       "bytes": sr.stream_bytes},
             "results": cells,
         })
     doc = {

@@ -10,7 +10,8 @@ Timing protocol (per scenario x contender):
    its one sample, flagged).
 3. Repeat ``i`` runs copy ``(2 + i) % copies``: each call reads KV that was evicted from
    the LLC since it was last touched. For bandwidth-bound kinds a ``torch.sum`` over as
-   many fresh bytes is timed right after each call: the scenario's stream time.
+   many fresh bytes (a slice of the KV pool for attention, separate buffers for cache
+   writes) is timed right after each call: the scenario's stream time.
 
 Reported times are medians of the repeats.
 """
@@ -101,6 +102,7 @@ class ScenarioResult:
     copies: int
     cells: dict[str, Cell]
     stream_times_s: list[float] = field(default_factory=list)
+    stream_bytes: int = 0
 
     @property
     def stream_median_s(self) -> float | None:
@@ -372,12 +374,16 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
         copies = copies_for(s, machine.llc_bytes)
         inputs = build_inputs(s, copies)
         checker = _Checker(inputs)
-        stream = None
+        stream, stream_bytes = None, 0
         if s.kind in BANDWIDTH_KINDS:
-            buffers = probes.stream_buffers(s.bytes_moved(), copies)
+            if s.kind == "reshape_and_cache":  # the pool is written to: own buffers
+                views = list(probes.stream_buffers(s.bytes_moved(), copies))
+            else:  # the KV is read-only: stream the pool's own bytes, copy by copy
+                views = probes.stream_views(inputs.kv_cache, s.kv_bytes(), copies)
+            stream_bytes = views[0].numel() * 4
 
-            def stream(copy: int, buffers=buffers) -> None:
-                buffers[copy].sum()
+            def stream(copy: int, views=views) -> None:
+                views[copy].sum()
         cells: dict[str, Cell] = {}
         stream_times: list[float] = []
         for name, contender in contenders.items():
@@ -390,7 +396,7 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
             cell.wall_s = time.perf_counter() - t0
             cells[name] = cell
             stream_times += st
-        results.append(ScenarioResult(s, copies, cells, stream_times))
+        results.append(ScenarioResult(s, copies, cells, stream_times, stream_bytes))
         del inputs, checker, stream
         gc.collect()
     progress.close()

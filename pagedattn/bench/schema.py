@@ -16,7 +16,7 @@ Document outline (times in seconds, rates in 1e9 units)::
      options:  {suite, scenarios, contenders[], repeat, threads, budget_s},
      contenders: {name: {available, reason, description}},
      scenarios: [{scenario{name, kind, batch, seq_lens[], query_lens[], heads..., bytes, flops},
-                  copies, roofline{bound, t_min_s, ...}, stream{times_s[], median_s},
+                  copies, roofline{bound, t_min_s, ...}, stream{times_s[], median_s, bytes},
                   results: [{contender, status, reason, times_s[], median_s, repeats,
                              max_abs_err, gbps, gflops, roofline_fraction,
                              speedup_of_pagedattn, ...}]}]}
@@ -149,8 +149,9 @@ SCHEMA: dict = {
                 },
                 "stream": {
                     "type": "object",
-                    "required": ["times_s", "median_s"],
-                    "properties": {"times_s": _TIMES, "median_s": _NUM_OR_NULL},
+                    "required": ["times_s", "median_s", "bytes"],
+                    "properties": {"times_s": _TIMES, "median_s": _NUM_OR_NULL,
+                                   "bytes": {"type": "integer", "minimum": 0}},
                 },
                 "results": {"type": "array", "items": {"$ref": "#/$defs/cell"}},
             },
