@@ -53,7 +53,7 @@ def fake_limits(monkeypatch):
 
 
 def _run(argv, capsys):
-    code = main(["bench", "--suite", "tiny", "--no-progress", *argv])
+    code = main(["bench", "--suite", "tiny", "--no-progress", "--budget", "0.5", *argv])
     return code, capsys.readouterr()
 
 

@@ -51,6 +51,8 @@ class BenchOptions:
     progress: bool = True
     probe_bytes: int = 512 << 20
     matmul_size: int = 2048
+    #: the suite after the ``scenarios`` filter (resolved at construction)
+    selected: list[Scenario] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
@@ -71,9 +73,9 @@ class BenchOptions:
         self.selected = select_scenarios(SUITES[self.suite](), self.scenarios)
 
     def contender_names(self) -> list[str]:
+        """Table columns: pagedattn first (the table is about it), then the others.
+        The checks call the reference module directly, so its column is optional."""
         names = self.contenders if self.contenders else list(CONTENDERS)
-        # pagedattn first and the reference always present: the table is about the
-        # former and every check needs the latter's semantics.
         return list(dict.fromkeys(["pagedattn", *names]))
 
 
@@ -349,20 +351,12 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
     warning = load_warning(torch.get_num_threads(), load)
     machine = probes.load_or_measure(opts.probe_bytes, opts.matmul_size,
                                      remeasure=opts.remeasure, busy=warning is not None)
-    names = opts.contender_names()
-    if "reference" not in names:
-        names.append("reference")  # not timed unless asked; its checks need no column
-        timed_reference = False
-    else:
-        timed_reference = True
-    contenders = {n: CONTENDERS[n] for n in names}
+    contenders = {n: CONTENDERS[n] for n in opts.contender_names()}
     availability = {}
     for n, c in contenders.items():
         reason = c.unavailable_reason()
         availability[n] = {"available": reason is None, "reason": reason or "",
                            "description": c.description}
-    if not timed_reference:
-        del contenders["reference"], availability["reference"]
     log_machine(machine, log)
     if warning:
         log(warning)
