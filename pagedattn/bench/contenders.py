@@ -282,6 +282,7 @@ class FlexContender(Contender):
                    "block mask aligned bottom-right")
 
     _compiled = None
+    _probe_error: str | None = None  # None: not probed yet; "": works
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -290,7 +291,21 @@ class FlexContender(Contender):
             return f"torch {torch.__version__} has no FlexAttention ({exc})"
         if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
             return "torch.compile needs a C++ compiler on PATH for the CPU backend"
-        return None
+        if FlexContender._probe_error is None:
+            # Compile one toy call: a torch build whose inductor cannot lower flex on CPU
+            # is reported here once, not as an ERROR on every row. Most of the one-off
+            # compile cost is paid here either way.
+            try:
+                q = torch.zeros(1, 2, 16, 16)
+                self._flex()(q, torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16, 16),
+                             enable_gqa=True)
+                FlexContender._probe_error = ""
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [""])[0][:160]
+                FlexContender._probe_error = (
+                    f"torch.compile(flex_attention) fails on this build: "
+                    f"{type(exc).__name__}: {first}")
+        return FlexContender._probe_error or None
 
     @classmethod
     def _flex(cls):
