@@ -24,8 +24,11 @@ if sources:
             name="pagedattn._C",
             sources=sources,
             include_dirs=[os.path.join(HERE, "csrc", "cpu")],
-            extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-Wall",
+            # -fopenmp: at::parallel_for is inlined from ATen's OpenMP backend header; without
+            # it the binding TUs would silently run every op on one thread.
+            extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-Wall", "-fopenmp",
                                 "-Wno-unused-function", "-Wno-unknown-pragmas"],
+            extra_link_args=["-fopenmp"],
         )
     )
 

@@ -1,3 +1,5 @@
+
+
 // The paged-attention kernel template, written once over a vector-ops struct `VO`
 // (VecScalar / VecAvx2 / VecAvx512 / VecNeon). Each kernels_<isa>.cpp includes the standard
 // headers, then (under its #pragma GCC target) opens an anonymous namespace and includes its
@@ -11,7 +13,20 @@
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// q.k for up to 4 rows against one key; generic path converts to fp32 and FMAs.
+// Walks the cache lines of one K block and one V block, issuing a few prefetches at a time.
+struct PrefetchCursor {
+  const char* k;
+  const char* v;
+  int64_t k_left, v_left;  // bytes
+  int lines() const { return static_cast<int>((k_left + v_left + 63) / 64); }
+  void issue(int n) {
+    for (; n > 0 && k_left > 0; --n, k += 64, k_left -= 64) prefetch_l2(k);
+    for (; n > 0 && v_left > 0; --n, v += 64, v_left -= 64) prefetch_l2(v);
+  }
+};
+
+// Scores of one query row against W consecutive keys (lane i = key i); the generic path
+// converts to fp32 and FMAs, then folds the W partial-sum vectors with one reduce_lanes.
 template <class VO, class T>
 struct QkGeneric {
   using QElem = float;
@@ -19,16 +34,15 @@ struct QkGeneric {
   static void pack(const T* src, QElem* dst, int D) {
     for (int d = 0; d < D; d += VO::W) VO::store(dst + d, VO::cvt_load(src + d));
   }
-  template <int NR>
-  static void dot(const QElem* q, int ldq, const T* k, int D, float* out) {
-    V a[NR];
-    for (int i = 0; i < NR; ++i) a[i] = VO::zero();
+  static V dot_group(const QElem* q, const T* k, int64_t kst, int D) {
+    V a[VO::W];
+    for (int i = 0; i < VO::W; ++i) a[i] = VO::zero();
     for (int d = 0; d < D; d += VO::W) {
-      const V kv = VO::cvt_load(k + d);
-#pragma GCC unroll 4
-      for (int i = 0; i < NR; ++i) a[i] = VO::fma(VO::load(q + i * ldq + d), kv, a[i]);
+      const V qv = VO::load(q + d);
+#pragma GCC unroll 16
+      for (int i = 0; i < VO::W; ++i) a[i] = VO::fma(qv, VO::cvt_load(k + i * kst + d), a[i]);
     }
-    for (int i = 0; i < NR; ++i) out[i] = VO::hsum(a[i]);
+    return VO::reduce_lanes(a);
   }
 };
 
@@ -36,17 +50,13 @@ struct QkGeneric {
 template <class VO, class T>
 struct Qk : QkGeneric<VO, T> {};
 
+// acc[r] += P[r] . V over keys [t0, t1) of one block; register-blocked rows x vectors.
+// Specializations may keep acc in a permuted d order; finish_row restores it.
 template <class VO, class T>
-struct AttnKernel {
+struct PvGeneric {
   using V = typename VO::V;
   static constexpr int W = VO::W;
-
-  static const T* q_row(const AttnParams& p, int64_t tok, int64_t head) {
-    return static_cast<const T*>(p.q) + tok * p.q_stride_tok + head * p.q_stride_head;
-  }
-  static T* out_row(const AttnParams& p, int64_t tok, int64_t head) {
-    return static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
-  }
+  static void finish_row(float*, int) {}
 
   // acc[0..RB) rows (stride D) += P[0..RB) rows (stride lds) . V[t0..t1)
   template <int RB, int DB>
@@ -88,21 +98,36 @@ struct AttnKernel {
     for (; r < R; ++r) pv_rows<1>(P + r * lds, lds, vb, vst, t0, t1, acc + r * D, D);
   }
 
+};
+
+template <class VO, class T>
+struct Pv : PvGeneric<VO, T> {};
+
+template <class VO, class T>
+struct AttnKernel {
+  using V = typename VO::V;
+  static constexpr int W = VO::W;
+
+  static const T* q_row(const AttnParams& p, int64_t tok, int64_t head) {
+    return static_cast<const T*>(p.q) + tok * p.q_stride_tok + head * p.q_stride_head;
+  }
+  static T* out_row(const AttnParams& p, int64_t tok, int64_t head) {
+    return static_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+  }
+
+  // S[r, t] for t in [t0, t1) (computed for whole W-groups inside the block: keys past t1
+  // may be garbage, their lanes are masked later and never reach P.V).
   static void qk(const typename Qk<VO, T>::QElem* qp, int R, const T* kb, int64_t kst, int t0,
-                 int t1, float* S, int lds, int D) {
-    float tmp[4];
-    for (int t = t0; t < t1; ++t) {
-      const T* kt = kb + t * kst;
-      int r = 0;
-      for (; r + 4 <= R; r += 4) {
-        Qk<VO, T>::template dot<4>(qp + r * D, D, kt, D, tmp);
-        for (int i = 0; i < 4; ++i) S[(r + i) * lds + t] = tmp[i];
+                 int t1, float* S, int lds, int D, PrefetchCursor& pf) {
+    const int ta = t0 / W * W;
+    const int steps = R * ((t1 - ta + W - 1) / W);
+    const int per_step = pf.lines() / steps + 1;
+    for (int r = 0; r < R; ++r)
+      for (int tg = ta; tg < t1; tg += W) {
+        pf.issue(per_step);
+        VO::store(S + r * lds + tg, Qk<VO, T>::dot_group(qp + r * D, kb + tg * kst, kst, D));
       }
-      for (; r < R; ++r) {
-        Qk<VO, T>::template dot<1>(qp + r * D, D, kt, D, tmp);
-        S[r * lds + t] = tmp[0];
-      }
-    }
+    pf.issue(pf.lines());
   }
 
   // out[0..D) = acc * f (converted to T); f == 0 writes zeros (never NaN from 0 * inf).
@@ -161,20 +186,41 @@ struct AttnKernel {
       const int32_t* bt = p.block_table + it.req * p.bt_stride;
       const T* kbase = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
       const T* vbase = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
-      for (int64_t blk = ulo / BS; blk <= uhi / BS; ++blk) {
+      // Decode is memory-latency bound: a core's demand misses alone reach about a quarter
+      // of DRAM bandwidth, so software-prefetch K/V ~64 KiB ahead (whole blocks, into L2).
+      const int64_t first = ulo / BS, last = uhi / BS;
+      const int64_t k_bytes = static_cast<int64_t>(BS) * p.k_stride_tok * sizeof(T);
+      const int64_t v_bytes = static_cast<int64_t>(BS) * p.v_stride_tok * sizeof(T);
+      const int64_t dist = std::max<int64_t>(1, (64 * 1024) / (k_bytes + v_bytes));
+      auto block_ptr = [&](int64_t blk, bool keys) {
+        const int64_t phys = bt[blk];
+        return keys ? reinterpret_cast<const char*>(kbase + phys * p.k_stride_block)
+                    : reinterpret_cast<const char*>(vbase + phys * p.v_stride_block);
+      };
+      for (int64_t blk = first + 1; blk <= std::min(last, first + dist - 1); ++blk) {
+        PrefetchCursor warm{block_ptr(blk, true), block_ptr(blk, false), k_bytes, v_bytes};
+        warm.issue(warm.lines());
+      }
+      for (int64_t blk = first; blk <= last; ++blk) {
+        // The lines of block blk + dist are spread over this block's q.k steps so the
+        // prefetches never pile up in the load queue.
+        PrefetchCursor pf{nullptr, nullptr, 0, 0};
+        if (blk + dist <= last)
+          pf = PrefetchCursor{block_ptr(blk + dist, true), block_ptr(blk + dist, false), k_bytes, v_bytes};
         const int64_t base = blk * BS;
         const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
         const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, BS));
         const int64_t phys = bt[blk];
         const T* kb = kbase + phys * p.k_stride_block;
         const T* vb = vbase + phys * p.v_stride_block;
-        qk(qp, R, kb, p.k_stride_tok, t0, t1, S, lds, D);
+        qk(qp, R, kb, p.k_stride_tok, t0, t1, S, lds, D, pf);
         for (int r = 0; r < R; ++r) softmax_row(p, it, r, G, S + r * lds, base, t0, t1, lo[r],
                                                 hi[r], pos[r], m, l, acc + r * D, D);
-        pv(S, lds, R, vb, p.v_stride_tok, t0, t1, acc, D);
+        Pv<VO, T>::pv(S, lds, R, vb, p.v_stride_tok, t0, t1, acc, D);
       }
     }
 
+    for (int r = 0; r < R; ++r) Pv<VO, T>::finish_row(acc + r * D, D);
     if (it.part_out == nullptr) {
       for (int r = 0; r < R; ++r) {
         const int h = it.kv_head * G + r % G;
@@ -220,16 +266,20 @@ struct AttnKernel {
       const float cap = p.softcap, inv = 1.f / p.softcap;
       for (int t = tl; t <= th; ++t) s[t] = cap * std::tanh(s[t] * scale * inv);
     } else {
-      for (int t = tl; t <= th; ++t) s[t] *= scale;
+      const V sv = VO::set1(scale);
+      for (int t = tl / W * W; t <= th; t += W) VO::store(s + t, VO::mul(VO::load(s + t), sv));
     }
     if (p.alibi != nullptr) {
       const float slope = p.alibi[it.kv_head * G + r % G];
-      for (int t = tl; t <= th; ++t) s[t] += slope * static_cast<float>(base + t - ps);
+      const float off = static_cast<float>(base - ps);
+      for (int t = tl; t <= th; ++t) s[t] += slope * (static_cast<float>(t) + off);
     }
-    float mx = kNegInf;
-    for (int t = tl; t <= th; ++t) mx = std::max(mx, s[t]);
+    // Invisible keys -> -inf, including the vector tail past t1 (lds leaves room).
     for (int t = t0; t < tl; ++t) s[t] = kNegInf;
-    for (int t = th + 1; t < t1 + W; ++t) s[t] = kNegInf;  // also the vector tail
+    for (int t = th + 1; t < t1 + W; ++t) s[t] = kNegInf;
+    V mxv = VO::set1(kNegInf);
+    for (int t = t0; t < t1; t += W) mxv = VO::max(mxv, VO::load(s + t));
+    const float mx = VO::hmax(mxv);
 
     const float m_old = m[r];
     const float m_new = std::max(m_old, mx);

@@ -19,8 +19,8 @@ namespace {
 #include "vec_avx512.h"
 #include "attn_kernel_impl.h"
 
-// q stays bf16; 32 products per instruction. head_size is a multiple of 16, so a tail of
-// 16 elements is loaded masked (zeros contribute nothing).
+// q.k: q stays bf16, vdpbf16ps multiplies 32 bf16 pairs exactly and sums in fp32.
+// head_size is a multiple of 16, so a 16-element tail is loaded masked (zeros add nothing).
 template <>
 struct Qk<VecAvx512, bf16_t> {
   using QElem = bf16_t;
@@ -29,16 +29,112 @@ struct Qk<VecAvx512, bf16_t> {
     if (rem >= 32) return (__m512bh)_mm512_loadu_si512(p);
     return (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, p);
   }
-  template <int NR>
-  static void dot(const QElem* q, int ldq, const bf16_t* k, int D, float* out) {
-    __m512 a[NR];
-    for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
+  static __m512 dot_group(const QElem* q, const bf16_t* k, int64_t kst, int D) {
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 32) {
-      const __m512bh kv = ld(k + d, D - d);
-#pragma GCC unroll 4
-      for (int i = 0; i < NR; ++i) a[i] = _mm512_dpbf16_ps(a[i], ld(q + i * ldq + d, D - d), kv);
+      const __m512bh qv = ld(q + d, D - d);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_dpbf16_ps(a[i], qv, ld(k + i * kst + d, D - d));
     }
-    for (int i = 0; i < NR; ++i) out[i] = _mm512_reduce_add_ps(a[i]);
+    return VecAvx512::reduce_lanes(a);
+  }
+};
+
+// P.V with vdpbf16ps: P is rounded to bf16 (relative error <= 2^-9 per weight, below the
+// bf16 output rounding) and consecutive keys are paired: unpacklo/hi_epi16 of V[t], V[t+1]
+// interleave them, so each fp32 accumulator lane gets p_t*v_t[d] + p_t1*v_t1[d]. The
+// unpacks permute d inside each 32-wide chunk; finish_row undoes that once per item.
+// Only for head_size % 32 == 0 (else the generic FMA path, unpermuted).
+template <>
+struct Pv<VecAvx512, bf16_t> {
+  using Base = PvGeneric<VecAvx512, bf16_t>;
+  static constexpr int kMaxRows = 4;
+
+  static void finish_row(float* acc, int D) {
+    if (D % 32 != 0) return;
+    // chunk layout: lo = d {0-3, 8-11, 16-19, 24-27}, hi = d {4-7, 12-15, 20-23, 28-31}
+    const __m512i idx0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i idx1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int c = 0; c < D; c += 32) {
+      const __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+      _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(lo, idx0, hi));
+      _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(lo, idx1, hi));
+    }
+  }
+
+  template <int RB, int NC>
+  static void tile(const uint16_t* pb, int ldp, const bf16_t* vb, int64_t vst, int t0, int t1,
+                   float* acc, int D, int c0) {
+    __m512 a[RB][2 * NC];
+    for (int i = 0; i < RB; ++i)
+      for (int j = 0; j < 2 * NC; ++j) a[i][j] = _mm512_loadu_ps(acc + i * D + c0 + 16 * j);
+    int t = t0;
+    for (; t + 1 < t1; t += 2) {
+      __m512i v[2 * NC];
+#pragma GCC unroll 4
+      for (int j = 0; j < NC; ++j) {
+        const __m512i x = _mm512_loadu_si512(vb + t * vst + c0 + 32 * j);
+        const __m512i y = _mm512_loadu_si512(vb + (t + 1) * vst + c0 + 32 * j);
+        v[2 * j] = _mm512_unpacklo_epi16(x, y);
+        v[2 * j + 1] = _mm512_unpackhi_epi16(x, y);
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < RB; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, pb + i * ldp + t, 4);
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+        for (int j = 0; j < 2 * NC; ++j) a[i][j] = _mm512_dpbf16_ps(a[i][j], (__m512bh)v[j], pv);
+      }
+    }
+    if (t < t1) {  // odd tail: pair with zeros (never read the key past t1: may be NaN)
+      __m512i v[2 * NC];
+      const __m512i z = _mm512_setzero_si512();
+      for (int j = 0; j < NC; ++j) {
+        const __m512i x = _mm512_loadu_si512(vb + t * vst + c0 + 32 * j);
+        v[2 * j] = _mm512_unpacklo_epi16(x, z);
+        v[2 * j + 1] = _mm512_unpackhi_epi16(x, z);
+      }
+      for (int i = 0; i < RB; ++i) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(pb[i * ldp + t]);
+        for (int j = 0; j < 2 * NC; ++j) a[i][j] = _mm512_dpbf16_ps(a[i][j], (__m512bh)v[j], pv);
+      }
+    }
+    for (int i = 0; i < RB; ++i)
+      for (int j = 0; j < 2 * NC; ++j) _mm512_storeu_ps(acc + i * D + c0 + 16 * j, a[i][j]);
+  }
+
+  template <int RB>
+  static void rows(const uint16_t* pb, int ldp, const bf16_t* vb, int64_t vst, int t0, int t1,
+                   float* acc, int D) {
+    int c = 0;
+    for (; c + 64 <= D; c += 64) tile<RB, 2>(pb, ldp, vb, vst, t0, t1, acc, D, c);
+    if (c < D) tile<RB, 1>(pb, ldp, vb, vst, t0, t1, acc, D, c);
+  }
+
+  static void pv(const float* P, int lds, int R, const bf16_t* vb, int64_t vst, int t0, int t1,
+                 float* acc, int D) {
+    if (D % 32 != 0) return Base::pv(P, lds, R, vb, vst, t0, t1, acc, D);
+    // P rows -> bf16 (round to nearest even), 4 rows at a time on the stack.
+    alignas(64) uint16_t pb[kMaxRows * (256 + 32)];
+    const int ldp = 256 + 32;
+    for (int r0 = 0; r0 < R; r0 += kMaxRows) {
+      const int nr = std::min(kMaxRows, R - r0);
+      for (int i = 0; i < nr; ++i) {
+        const float* src = P + (r0 + i) * lds;
+        for (int t = t0 / 16 * 16; t < t1; t += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + i * ldp + t),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + t)));
+      }
+      float* a = acc + r0 * D;
+      switch (nr) {
+        case 4: rows<4>(pb, ldp, vb, vst, t0, t1, a, D); break;
+        case 3: rows<3>(pb, ldp, vb, vst, t0, t1, a, D); break;
+        case 2: rows<2>(pb, ldp, vb, vst, t0, t1, a, D); break;
+        default: rows<1>(pb, ldp, vb, vst, t0, t1, a, D); break;
+      }
+    }
   }
 };
 }  // namespace

@@ -27,6 +27,21 @@ struct VecAvx2 {
     return _mm_cvtss_f32(s);
   }
 
+  // Lane i of the result = sum of a[i]'s lanes (see VecAvx512::reduce_lanes).
+  static V reduce_lanes(const V* a) {
+    V b[4], c[2];
+    for (int i = 0; i < 4; ++i)
+      b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                           _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int j = 0; j < 2; ++j) {
+      const __m256d x = _mm256_castps_pd(b[2 * j]), y = _mm256_castps_pd(b[2 * j + 1]);
+      c[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                           _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20),
+                         _mm256_permute2f128_ps(c[0], c[1], 0x31));
+  }
+
   // Same polynomial as VecAvx512::exp.
   static V exp(V x) {
     const V lo = _mm256_set1_ps(-87.33654f);

@@ -17,6 +17,23 @@ struct VecAvx512 {
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
 
+  // Lane i of the result = sum of a[i]'s lanes (16 horizontal sums for ~45 instructions
+  // instead of 16 separate reductions): pairwise unpack-add trees, then 128-bit shuffles.
+  static V reduce_lanes(const V* a) {
+    V b[8], c[4];
+    for (int i = 0; i < 8; ++i)
+      b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                           _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int j = 0; j < 4; ++j) {
+      const __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
+      c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const V e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const V e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+  }
+
   // Cephes-style exp: 2^n * P(r), |r| <= ln2/2, ~1 ulp; exact 0 below -87.3 (incl. -inf).
   static V exp(V x) {
     const V hi = _mm512_set1_ps(88.3762626647949f);

@@ -15,6 +15,10 @@ struct VecNeon {
   static V max(V a, V b) { return vmaxq_f32(a, b); }
   static float hsum(V v) { return vaddvq_f32(v); }
   static float hmax(V v) { return vmaxvq_f32(v); }
+  // Lane i of the result = sum of a[i]'s lanes.
+  static V reduce_lanes(const V* a) {
+    return vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3]));
+  }
 
   // Same polynomial as VecAvx512::exp.
   static V exp(V x) {

@@ -2,6 +2,18 @@
 // bit-exact 16-bit float conversions every ISA falls back to. Included inside an anonymous
 // namespace of its TU (after <cmath>, <cstring>), so each TU gets its own copies (no ODR mix).
 
+// Prefetch one cache line into L2. Inline asm because GCC deletes loops made only of
+// __builtin_prefetch (C++ -ffinite-loops treats them as side-effect free).
+inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(__aarch64__)
+  asm volatile("prfm pldl2keep, %0" : : "Q"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 
@@ -56,6 +68,7 @@ struct VecScalar {
   static V max(V a, V b) { return a > b ? a : b; }
   static float hsum(V v) { return v; }
   static float hmax(V v) { return v; }
+  static V reduce_lanes(const V* a) { return a[0]; }
   static V exp(V x) { return std::exp(x); }
   static V cvt_load(const float* p) { return *p; }
   static V cvt_load(const bf16_t* p) { return bf16_to_float(p->bits); }
