@@ -308,3 +308,49 @@ def test_torch_compile_fullgraph_runs_the_ops():
                    batch.query_start_loc, batch.seq_lens, batch.block_table)
     torch.testing.assert_close(got, 2 * _reference(batch), atol=4e-5, rtol=4e-5)
     assert torch.equal(kc[0], torch.zeros_like(kc[0]))
+
+
+# ------------------------------------------------------------------ fallback
+
+
+def test_without_native_ops_fall_back_to_reference_with_one_warning(monkeypatch):
+    import warnings
+
+    from pagedattn.ops import _native
+
+    monkeypatch.setattr(_native, "AVAILABLE", False)
+    monkeypatch.setattr(_native, "LOAD_ERROR", "ImportError: simulated")
+    monkeypatch.setattr(ops, "_warned_fallback", False)
+    batch = _batch(BatchSpec("fb", (30, 7), (2, 7)), 4, 2, 32, 16, torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meta = _metadata(batch)
+        got = _attend(batch, meta)
+        kc, vc = torch.zeros_like(batch.key_cache), torch.zeros_like(batch.value_cache)
+        ops.cpu_attn_reshape_and_cache(batch.new_keys, batch.new_values, kc, vc,
+                                       batch.slot_mapping, "vec16")
+    fallback = [w for w in caught if "reference" in str(w.message)]
+    assert len(fallback) == 1 and "simulated" in str(fallback[0].message)
+    assert meta.shape == (ops.metadata_numel(2),)
+    torch.testing.assert_close(got, _reference(batch), atol=2e-5, rtol=2e-5)
+    slot = int(batch.slot_mapping[0])
+    torch.testing.assert_close(kc[slot // 16, :, slot % 16], batch.new_keys[0])
+    with pytest.raises(ValueError, match="'vec', 'vec16'"):  # hints are still validated
+        ops.cpu_attn_reshape_and_cache(batch.new_keys, batch.new_values, kc, vc,
+                                       batch.slot_mapping, "avx")
+
+
+@native
+def test_softcap_prefill_matches_reference_under_each_isa():
+    batch = _batch(BatchSpec("sc", (90,), (90,)), 4, 2, 64, 32, torch.float32)
+    want = ref.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                               batch.query_start_loc, batch.seq_lens, batch.block_table,
+                               scale=0.9, softcap=3.0)
+    for isa in ops.supported_cpu_isas():
+        with ops.use_cpu_isa(isa):
+            out = torch.empty_like(batch.query)
+            ops.cpu_attention_with_kv_cache(
+                batch.query, batch.key_cache, batch.value_cache, out, batch.query_start_loc,
+                batch.seq_lens, 0.9, True, None, (-1, -1), batch.block_table, 3.0,
+                _metadata(batch, "vec"), None)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5, msg=isa.value)

@@ -12,6 +12,7 @@ struct VecNeon {
   static V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
   static V add(V a, V b) { return vaddq_f32(a, b); }
   static V mul(V a, V b) { return vmulq_f32(a, b); }
+  static V div(V a, V b) { return vdivq_f32(a, b); }
   static V max(V a, V b) { return vmaxq_f32(a, b); }
   static float hsum(V v) { return vaddvq_f32(v); }
   static float hmax(V v) { return vmaxvq_f32(v); }

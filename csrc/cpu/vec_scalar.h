@@ -65,6 +65,7 @@ struct VecScalar {
   static V fma(V a, V b, V c) { return a * b + c; }
   static V add(V a, V b) { return a + b; }
   static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
   static V max(V a, V b) { return a > b ? a : b; }
   static float hsum(V v) { return v; }
   static float hmax(V v) { return v; }
