@@ -371,3 +371,15 @@ def test_flex_that_cannot_compile_is_unavailable_with_the_reason(monkeypatch):
     monkeypatch.setattr(contenders_mod.shutil, "which", lambda name: "/usr/bin/" + name)
     assert flex.unavailable_reason() == ("torch.compile(flex_attention) fails on this build: "
                                          "RuntimeError: inductor: no CPU lowering")
+
+
+def test_load_from_other_processes_is_detected_and_warned_about():
+    snapshot = runner.load_snapshot()
+    subprocess.run([sys.executable, "-c",
+                    "import time\nt = time.time()\nwhile time.time() - t < 0.8: pass"], check=True)
+    if snapshot[0] is None:
+        pytest.skip("no /proc/stat on this platform")
+    assert runner.other_load_since(snapshot) > 0.4  # the busy child, not ourselves
+    assert runner.load_warning(2, 0.1) is None
+    cores = os.cpu_count()
+    assert "timings will be noisy" in runner.load_warning(cores, 1.0)

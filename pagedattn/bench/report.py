@@ -13,7 +13,9 @@ import json
 import sys
 import time
 
-from pagedattn.bench.runner import BANDWIDTH_KINDS, BenchResult, Cell, ScenarioResult
+from pagedattn.bench.runner import (
+    BANDWIDTH_KINDS, BenchResult, Cell, ScenarioResult, load_warning,
+)
 from pagedattn.bench.schema import SCHEMA_VERSION, validate_result
 
 MAIN = "pagedattn"
@@ -144,6 +146,12 @@ def render_notes(result: BenchResult) -> str:
         "FLOPs / matmul peak); t/stream = pagedattn time / torch.sum over as many fresh bytes "
         "(memory-bound rows)",
     ]
+    during = result.other_load_during_run
+    threads = result.machine.threads
+    if during is not None and load_warning(threads, during):
+        notes.append(f"WARNING: other processes kept {during:.1f} cores busy on average during "
+                     f"this run (the bench used {threads} threads): these timings are noisy; "
+                     "rerun on a quiet machine")
     for name, info in result.contenders.items():
         if not info["available"]:
             notes.append(f"{name}: unavailable -- {info['reason']}")
@@ -190,6 +198,7 @@ def to_json(result: BenchResult, argv: list[str] | None = None) -> dict:
         "command": list(argv) if argv is not None else list(sys.argv),
         "wall_s": result.wall_s,
         "other_load_cores": result.other_load_cores,
+        "other_load_during_run": result.other_load_during_run,
         "machine": result.machine.to_json(),
         "versions": result.versions,
         "options": {"suite": opts.suite, "scenarios": opts.scenarios, "contenders": list(result.contenders),

@@ -120,6 +120,7 @@ class BenchResult:
     scenarios: list[ScenarioResult]
     wall_s: float = 0.0
     other_load_cores: float | None = None  # cores other processes kept busy at the start
+    other_load_during_run: float | None = None  # ... and on average during the run
 
 
 # -------------------------------------------------------------------------- progress
@@ -348,6 +349,7 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     load = other_load()  # before our own probes make the machine busy
+    snapshot = load_snapshot()
     warning = load_warning(torch.get_num_threads(), load)
     machine = probes.load_or_measure(opts.probe_bytes, opts.matmul_size,
                                      remeasure=opts.remeasure, busy=warning is not None)
@@ -395,7 +397,8 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
         gc.collect()
     progress.close()
     return BenchResult(opts, machine, _versions(list(contenders)), availability, results,
-                       wall_s=time.perf_counter() - started, other_load_cores=load)
+                       wall_s=time.perf_counter() - started, other_load_cores=load,
+                       other_load_during_run=other_load_since(snapshot))
 
 
 def _cpu_busy_s() -> float | None:
@@ -410,14 +413,25 @@ def _cpu_busy_s() -> float | None:
     return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def other_load(sample_s: float = 0.3) -> float | None:
-    """Cores kept busy by *other* processes over a short sample (ours subtracted)."""
-    busy0, self0, t0 = _cpu_busy_s(), time.process_time(), time.perf_counter()
-    if busy0 is None:
+def load_snapshot() -> tuple[float | None, float, float]:
+    """(machine busy CPU-s, our CPU-s, wall clock) now, for :func:`other_load_since`."""
+    return _cpu_busy_s(), time.process_time(), time.perf_counter()
+
+
+def other_load_since(snapshot: tuple[float | None, float, float]) -> float | None:
+    """Average cores kept busy by *other* processes since ``snapshot`` (ours subtracted)."""
+    busy0, self0, t0 = snapshot
+    busy1, self1, t1 = load_snapshot()
+    if busy0 is None or busy1 is None or t1 <= t0:
         return None
+    return max(0.0, (busy1 - busy0) - (self1 - self0)) / (t1 - t0)
+
+
+def other_load(sample_s: float = 0.3) -> float | None:
+    """Cores kept busy by *other* processes over a short sample."""
+    snapshot = load_snapshot()
     time.sleep(sample_s)
-    busy1, self1 = _cpu_busy_s(), time.process_time()
-    return max(0.0, (busy1 - busy0) - (self1 - self0)) / (time.perf_counter() - t0)
+    return other_load_since(snapshot)
 
 
 def load_warning(threads: int, load: float | None) -> str | None:

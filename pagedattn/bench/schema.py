@@ -9,7 +9,7 @@ same schema.
 
 Document outline (times in seconds, rates in 1e9 units)::
 
-    {schema_version, created, command[], wall_s, other_load_cores,
+    {schema_version, created, command[], wall_s, other_load_cores, other_load_during_run,
      machine:  {cpu_model, logical_cores, threads, llc_bytes, dram_read_gbps,
                 matmul_gflops{dtype: GFLOP/s}, probe_bytes, matmul_size, measured_at, cached},
      versions: {pagedattn, torch, python, ...},
@@ -42,6 +42,7 @@ SCHEMA: dict = {
         "command": {"type": "array", "items": {"type": "string"}},
         "wall_s": _NUM,
         "other_load_cores": _NUM_OR_NULL,
+        "other_load_during_run": _NUM_OR_NULL,
         "machine": {
             "type": "object",
             "required": ["cpu_model", "logical_cores", "threads", "llc_bytes",
