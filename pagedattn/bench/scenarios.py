@@ -267,7 +267,13 @@ class ScenarioInputs:
 
 
 def copies_for(scenario: Scenario, llc_bytes: int, *, factor: int = 3, max_copies: int = 64) -> int:
-    """How many KV copies make the rotation exceed ``factor`` x the LLC (at least 2)."""
+    """How many KV copies make the rotation exceed ``factor`` x the LLC (at least 2).
+
+    Prefill is compute-bound (each KV byte is reused by every query row), so where its
+    KV sits does not matter and two copies suffice.
+    """
+    if scenario.kind == "prefill":
+        return 2
     need = math.ceil(factor * llc_bytes / max(1, scenario.kv_bytes()))
     return max(2, min(max_copies, need))
 
