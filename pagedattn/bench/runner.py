@@ -49,8 +49,8 @@ class BenchOptions:
     budget_s: float = 20.0
     remeasure: bool = False
     progress: bool = True
-    probe_bytes: int = 512 << 20
-    matmul_size: int = 2048
+    probe_bytes: int = 256 << 20
+    matmul_size: int = 1536
     #: the suite after the ``scenarios`` filter (resolved at construction)
     selected: list[Scenario] = field(init=False, repr=False)
 
