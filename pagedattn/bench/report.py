@@ -62,6 +62,12 @@ def fmt_time(t: float | None) -> str:
     return f"{t:.2f}s"
 
 
+def _fmt_speedup(sp: float) -> str:
+    if sp >= 100:
+        return f"{sp:.0f}x"
+    return f"{sp:.1f}x" if sp >= 0.1 else f"{sp:.2f}x"
+
+
 def _cell_text(cell: Cell | None, sr: ScenarioResult, machine) -> str:
     if cell is None:
         return ""
@@ -77,7 +83,7 @@ def _cell_text(cell: Cell | None, sr: ScenarioResult, machine) -> str:
     if cell.contender != MAIN:
         sp = cell_metrics(cell, sr, machine)["speedup_of_pagedattn"]
         if sp is not None:
-            text += f" ({sp:.1f}x)" if sp < 100 else f" ({sp:.0f}x)"
+            text += f" ({_fmt_speedup(sp)})"
     return text
 
 
@@ -259,7 +265,7 @@ def write_plot(result: BenchResult, path: str) -> None:
                 ax1.text(x, 1.0, cell.status.upper(), rotation=90, ha="center", va="bottom",
                          fontsize=7, color="red")
         bars = ax1.bar(xs, ys, width, label=name)
-        ax1.bar_label(bars, [f"{y:.1f}x" if y < 100 else f"{y:.0f}x" for y in ys], fontsize=6)
+        ax1.bar_label(bars, [_fmt_speedup(y) for y in ys], fontsize=6)
     ax1.axhline(1.0, color="black", lw=0.8)
     ax1.set_yscale("log")
     ax1.set_ylabel("pagedattn speed-up (x, log)\n>1: pagedattn faster")
