@@ -25,19 +25,40 @@ template <>
 struct Qk<VecAvx512, bf16_t> {
   using QElem = bf16_t;
   static void pack(const bf16_t* src, QElem* dst, int D) { std::memcpy(dst, src, D * sizeof(bf16_t)); }
-  static __m512bh ld(const bf16_t* p, int rem) {
-    if (rem >= 32) return (__m512bh)_mm512_loadu_si512(p);
-    return (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, p);
-  }
-  static __m512 dot_group(const QElem* q, const bf16_t* k, int64_t kst, int D) {
+  // NC full 32-element chunks (+ one 16-element tail): q lives in registers, each key row
+  // is read front to back, and every vdpbf16ps takes its key operand straight from memory.
+  template <int NC, bool TAIL>
+  static __m512 group(const QElem* q, const bf16_t* k, int64_t kst) {
+    __m512bh qv[NC + (TAIL ? 1 : 0)];
+    for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    if (TAIL) qv[NC] = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, q + 32 * NC);
     __m512 a[16];
-    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 32) {
-      const __m512bh qv = ld(q + d, D - d);
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) a[i] = _mm512_dpbf16_ps(a[i], qv, ld(k + i * kst + d, D - d));
+    for (int i = 0; i < 16; ++i) {
+      const bf16_t* kr = k + i * kst;
+      __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c)
+        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+      if (TAIL)  // q's upper half is zero, so the key's unmasked upper half adds nothing
+        acc = _mm512_dpbf16_ps(acc, qv[NC], (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, kr + 32 * NC));
+      a[i] = acc;
     }
     return VecAvx512::reduce_lanes(a);
+  }
+  static __m512 dot_group(const QElem* q, const bf16_t* k, int64_t kst, int D) {
+    switch (D) {  // the supported head sizes (binding_utils.h kSupportedHeadSizes)
+      case 32: return group<1, false>(q, k, kst);
+      case 64: return group<2, false>(q, k, kst);
+      case 80: return group<2, true>(q, k, kst);
+      case 96: return group<3, false>(q, k, kst);
+      case 112: return group<3, true>(q, k, kst);
+      case 128: return group<4, false>(q, k, kst);
+      case 160: return group<5, false>(q, k, kst);
+      case 192: return group<6, false>(q, k, kst);
+      case 224: return group<7, false>(q, k, kst);
+      default: return group<8, false>(q, k, kst);
+    }
   }
 };
 
