@@ -269,7 +269,11 @@ def write_plot(result: BenchResult, path: str) -> None:
     ax1.axhline(1.0, color="black", lw=0.8)
     ax1.set_yscale("log")
     ax1.set_ylabel("pagedattn speed-up (x, log)\n>1: pagedattn faster")
-    ax1.set_title(f"pagedattn vs contenders -- {machine.cpu_model}, {machine.threads} threads")
+    title = f"pagedattn vs contenders -- {machine.cpu_model}, {machine.threads} threads"
+    during = result.other_load_during_run
+    if during is not None and load_warning(machine.threads, during):
+        title += f"\nNOISY: other processes kept {during:.1f} cores busy during the run"
+    ax1.set_title(title, color="black" if "NOISY" not in title else "darkred")
     ax1.set_xticks(range(len(labels)), labels, fontsize=7)
     ax1.legend(fontsize=8)
     fracs, colors = [], []
