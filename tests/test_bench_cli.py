@@ -272,8 +272,6 @@ def test_quick_tiny_run_end_to_end_as_a_command(tmp_path):
     assert validate_result(doc) == [] and doc["options"]["repeat"] == 5
 
 
-@pytest.mark.skipif(not os.environ.get("PAGEDATTN_SLOW_TESTS"),
-                    reason="the real --quick run takes ~2 minutes; set PAGEDATTN_SLOW_TESTS=1")
 def test_real_quick_run_finishes_in_two_minutes(tmp_path):
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pagedattn", "bench", "--quick",
