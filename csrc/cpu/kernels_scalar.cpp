@@ -1,4 +1,5 @@
-// Portable kernels (no target pragma): the fallback on any CPU and the baseline in tests.
+// Portable kernels (no target pragma, no intrinsics): the fallback on any CPU. 4-wide via
+// compiler vector extensions (VecPortable); VecScalar supplies the bit-exact conversions.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -11,11 +12,12 @@
 namespace pagedattn {
 namespace {
 #include "vec_scalar.h"
+#include "vec_portable.h"
 #include "attn_kernel_impl.h"
 }  // namespace
 
 const KernelTable* kernels_scalar() {
-  static const KernelTable table = make_kernel_table<VecScalar>("scalar");
+  static const KernelTable table = make_kernel_table<VecPortable>("scalar");
   return &table;
 }
 

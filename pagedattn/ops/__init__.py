@@ -132,7 +132,7 @@ def select_cpu_isa_hint(block_size: int, dtype: torch.dtype) -> str:
     """The kernel-variant hint for a cache of ``block_size`` and ``dtype``:
     ``amx`` (bf16, block % 32 == 0, CPU with AMX), ``neon`` on Arm, else ``vec``
     (block % 32 == 0) or ``vec16`` (block % 16 == 0). ValueError for other block sizes."""
-    if block_size <= 0 or block_size % 16 != 0:
+    if not (block_size == 16 or (block_size % 32 == 0 and 0 < block_size <= 256)):
         raise ValueError(
             f"block_size {block_size} is not supported by the CPU kernels; expected 16 or a "
             "multiple of 32 (up to 256)"
