@@ -121,8 +121,9 @@ def test_select_hint_follows_block_size():
         pytest.skip("AMX CPU: bf16 picks amx")
     assert ops.select_cpu_isa_hint(16, torch.bfloat16) in ("vec16", "neon")
     assert ops.select_cpu_isa_hint(64, torch.float32) in ("vec", "neon")
-    with pytest.raises(ValueError, match="block_size 8"):
-        ops.select_cpu_isa_hint(8, torch.float32)
+    for bad in (8, 48, 512):
+        with pytest.raises(ValueError, match=f"block_size {bad}"):
+            ops.select_cpu_isa_hint(bad, torch.float32)
 
 
 @native
