@@ -1,0 +1,65 @@
+"""A contender that runs pagedattn with a fixed thread count, for thread-scaling rows.
+
+It times the very same inputs as the other columns, in the same loop, so "N threads vs
+1 thread" is a side-by-side ratio rather than two separate runs. It is *not* registered
+by default (``pagedattn bench`` keeps its columns); scripts register it for one run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from pagedattn.bench.contenders import Contender, PagedattnContender, Prepared
+from pagedattn.bench.scenarios import Scenario, ScenarioInputs
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    """``torch.set_num_threads(n)`` for the block, the previous count restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+class PinnedThreadsContender(Contender):
+    """pagedattn's native kernels under ``threads`` threads, on ``scenarios`` only.
+
+    The scheduler metadata records the thread count it was planned for (the attention
+    op rejects a mismatch), so both ``prepare`` and every ``run`` happen under the pinned
+    count; the switch back costs microseconds against milliseconds-long calls.
+    """
+
+    kinds = PagedattnContender.kinds
+
+    def __init__(self, threads: int, scenarios: set[str] | None = None):
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        self.threads = threads
+        self.scenarios = None if scenarios is None else set(scenarios)
+        self.name = f"pagedattn@{threads}t"
+        self.description = f"pagedattn.ops native CPU kernels pinned to {threads} thread(s)"
+        self._base = PagedattnContender()
+
+    def unavailable_reason(self) -> str | None:
+        return self._base.unavailable_reason()
+
+    def unsupported_reason(self, scenario: Scenario) -> str | None:
+        if self.scenarios is not None and scenario.name not in self.scenarios:
+            return "not a thread-scaling scenario"
+        return self._base.unsupported_reason(scenario)
+
+    def prepare(self, inputs: ScenarioInputs) -> Prepared:
+        with num_threads(self.threads):
+            inner = self._base.prepare(inputs)
+        n = self.threads
+
+        def run(copy: int):
+            with num_threads(n):
+                return inner.run(copy)
+        return Prepared(run, cache_rows=inner.cache_rows, attend=inner.attend,
+                        poison=inner.poison, note=inner.note)
