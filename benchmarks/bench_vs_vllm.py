@@ -32,7 +32,9 @@ prints them. ``--json`` writes the verdict rows plus the full ``pagedattn bench`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -327,6 +329,24 @@ def to_json(rows: list[Row], result: BenchResult, argv: list[str]) -> dict:
 # ---------------------------------------------------------------------------- main
 
 
+def extension_build() -> dict:
+    """Which native build was timed (path, mtime, sha256 prefix): the kernels are rebuilt
+    often, and two tables are comparable only for the same build."""
+    import hashlib
+    import time
+
+    from pagedattn import ops
+
+    spec = importlib.util.find_spec("pagedattn._C")
+    lib = spec.origin if spec is not None else None
+    if not lib or not os.path.exists(lib):
+        return {"native": bool(ops.native_available())}
+    with open(lib, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    return {"native": bool(ops.native_available()), "library": lib, "sha256": digest,
+            "mtime": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(os.path.getmtime(lib)))}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2,
@@ -395,7 +415,13 @@ def main(argv: list[str] | None = None) -> int:
             unregister(one_thread.name)
 
     rows = evaluate(result, geometry, args.threads)
+    build = extension_build()
     print()
+    if "library" in build:
+        print(f"pagedattn extension {os.path.basename(build['library'])} built {build['mtime']}, "
+              f"sha256 {build['sha256']}")
+    else:
+        print("pagedattn extension: not built (reference fallback)")
     print(f"issue 5: pagedattn vs vLLM CPU kernels -- {args.threads} threads, "
           f"{geometry.heads}/{geometry.kv_heads} heads, head {geometry.head_size}, "
           f"block {geometry.block_size}, median of {args.repeat}")
@@ -412,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             print(note)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(to_json(rows, result, sys.argv if argv is None else argv), f, indent=1)
+            doc = to_json(rows, result, sys.argv if argv is None else argv)
+            doc["extension"] = build
+            json.dump(doc, f, indent=1)
             f.write("\n")
         print(f"\nwrote {args.json}")
     return 1 if any(r.broken for r in rows) else 0

