@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import platform
+
 import pytest
 import torch
 
@@ -134,8 +136,14 @@ def test_amx_hint_without_amx_and_block_mismatch_are_errors():
                   dtype=torch.float32, query_start_loc=qsl, causal=True,
                   sliding_window_size=-1, enable_kv_split=True)
     if not ops.cpu_has_amx():
-        with pytest.raises(NotImplementedError, match="amx"):
+        # A ValueError naming the hints this CPU accepts (also a NotImplementedError).
+        with pytest.raises(ValueError, match="'amx' needs a CPU with AMX tiles; valid on this CPU: 'vec', 'vec16'"):
             ops.cpu_attn_get_scheduler_metadata(isa="amx", **kwargs)
+        with pytest.raises(NotImplementedError):
+            ops.cpu_attn_get_scheduler_metadata(isa="amx", **kwargs)
+    if platform.machine() not in ("aarch64", "arm64"):
+        with pytest.raises(ValueError, match="'neon' needs an Arm"):
+            ops.cpu_attn_get_scheduler_metadata(isa="neon", **kwargs)
         with pytest.raises(NotImplementedError, match="AMX"):  # raw op, int code
             torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(
                 1, 4, 2, 64, seq_lens, torch.float32, qsl, True, -1, IsaHint.AMX.code, True)

@@ -40,6 +40,7 @@ from pagedattn.ops.isa import (
 __all__ = [
     "CpuIsa", "IsaHint", "native_available", "supported_cpu_isas", "best_cpu_isa",
     "get_cpu_isa", "set_cpu_isa", "use_cpu_isa", "cpu_has_amx", "select_cpu_isa_hint",
+    "usable_isa_hints", "UnsupportedIsaHintError",
     "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
     "cpu_attention_with_kv_cache", "metadata_numel",
 ]
@@ -144,15 +145,28 @@ def select_cpu_isa_hint(block_size: int, dtype: torch.dtype) -> str:
     return IsaHint.VEC.value if block_size % 32 == 0 else IsaHint.VEC16.value
 
 
+class UnsupportedIsaHintError(ValueError, NotImplementedError):
+    """A known hint this CPU cannot run (``amx`` without AMX tiles, ``neon`` off Arm).
+
+    A ``ValueError`` like any other bad hint, and a ``NotImplementedError`` for callers
+    that treat missing hardware that way."""
+
+
+def usable_isa_hints() -> list[str]:
+    """The hints this CPU accepts."""
+    if _on_arm():
+        return [IsaHint.NEON.value, IsaHint.VEC.value, IsaHint.VEC16.value]
+    hints = [IsaHint.VEC.value, IsaHint.VEC16.value]
+    return hints + [IsaHint.AMX.value] if cpu_has_amx() else hints
+
+
 def _parse_hint(isa: str | IsaHint) -> IsaHint:
     hint = IsaHint.parse(isa)
-    if hint is IsaHint.AMX and not cpu_has_amx():
-        raise NotImplementedError(
-            "isa hint 'amx' needs a CPU with AMX tiles; this CPU has none (use 'vec' or 'vec16')"
-        )
-    if hint is IsaHint.NEON and not _on_arm():
-        raise NotImplementedError(
-            "isa hint 'neon' is only available on Arm (aarch64) CPUs (use 'vec' or 'vec16')"
+    if hint.value not in usable_isa_hints():
+        need = "a CPU with AMX tiles" if hint is IsaHint.AMX else "an Arm (aarch64) CPU"
+        valid = ", ".join(repr(h) for h in usable_isa_hints())
+        raise UnsupportedIsaHintError(
+            f"isa hint {hint.value!r} needs {need}; valid on this CPU: {valid}"
         )
     return hint
 
