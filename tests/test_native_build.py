@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
-
-import platform
 
 import pytest
 import torch
