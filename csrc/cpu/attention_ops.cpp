@@ -100,8 +100,10 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
   // items to keep every thread busy; the window hint is not used so that results never
   // depend on it (the op clamps splits to the visible range anyway).
   int64_t base_items = 0;
-  for (int64_t r = 0; r < num_reqs; ++r)
-    base_items += num_kv_heads * std::max<int64_t>(1, ceil_div(qsl[r + 1] - qsl[r], tile));
+  for (int64_t r = 0; r < num_reqs; ++r) {  // decode-like requests: one item for all heads
+    const int64_t q_len = qsl[r + 1] - qsl[r];
+    base_items += q_len <= tile ? 1 : num_kv_heads * ceil_div(q_len, tile);
+  }
   const int64_t target = 4 * threads;
   for (int64_t r = 0; r < num_reqs; ++r) {
     int64_t splits = 1;
@@ -299,7 +301,11 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
 
   // ---- work items: (request, kv head, query tile, key split)
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_rows = tile * group;
+  // Decode-like requests (one query tile) get items spanning every kv head (see WorkItem).
+  bool any_grouped = false;
+  for (int64_t r = 0; r < num_reqs; ++r)
+    any_grouped |= qsl[r + 1] - qsl[r] > 0 && qsl[r + 1] - qsl[r] <= tile;
+  const int64_t max_rows = tile * group * (any_grouped ? num_kv_heads : 1);
   struct Job {
     WorkItem item;
     int64_t cost;
@@ -324,23 +330,25 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
     const int64_t chunk = splits > 1 ? ceil_div(ceil_div(vis, splits), bs) * bs : 0;
     if (splits > 1) splits = ceil_div(vis, chunk);
     const auto r32 = static_cast<int32_t>(r);
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const int64_t heads_per_item = q_len <= tile ? num_kv_heads : 1;
+    const auto nh32 = static_cast<int32_t>(heads_per_item);
+    for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) {
       const auto h32 = static_cast<int32_t>(h);
       for (int64_t t = 0; t < q_len; t += tile) {
         const auto t32 = static_cast<int32_t>(t);
         const auto qe = static_cast<int32_t>(std::min(q_len, t + tile));
-        const int64_t rows = (qe - t) * group;
+        const int64_t rows = (qe - t) * group * heads_per_item;
         if (splits == 1) {
-          jobs.push_back({WorkItem{r32, h32, t32, qe, 0, sl[r], nullptr, nullptr},
+          jobs.push_back({WorkItem{r32, h32, t32, qe, 0, sl[r], nullptr, nullptr, nh32},
                           rows * std::max<int64_t>(vis, 1), -1});
           continue;
         }
-        merges.push_back({WorkItem{r32, h32, t32, qe, 0, sl[r], nullptr, nullptr}, num_slots,
-                          static_cast<int32_t>(splits)});
+        merges.push_back({WorkItem{r32, h32, t32, qe, 0, sl[r], nullptr, nullptr, nh32},
+                          num_slots, static_cast<int32_t>(splits)});
         for (int64_t s = 0; s < splits; ++s) {
           const int64_t a = vis_lo[r] + s * chunk, b = std::min(vis_hi[r] + 1, a + chunk);
           jobs.push_back({WorkItem{r32, h32, t32, qe, static_cast<int32_t>(a),
-                                   static_cast<int32_t>(b), nullptr, nullptr},
+                                   static_cast<int32_t>(b), nullptr, nullptr, nh32},
                           rows * (b - a), num_slots + s});
         }
         num_slots += splits;

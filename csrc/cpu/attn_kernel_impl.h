@@ -146,18 +146,20 @@ struct AttnKernel {
     const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
     const int64_t kv_len = p.seq_lens[it.req];
     const int ntok = it.q_end - it.q_begin;
-    const int R = ntok * G;
+    const int NH = it.heads();
+    const int Rh = ntok * G;  // rows per kv head
+    const int R = NH * Rh;
     const int lds = (BS + 2 * W + 15) / 16 * 16;
 
     using QElem = typename Qk<VO, T>::QElem;
     float* acc = scratch;                                   // [R, D]
     QElem* qp = reinterpret_cast<QElem*>(acc + R * D);      // [R, D]
-    float* S = acc + 2 * R * D;                             // [R, lds]
+    float* S = acc + 2 * R * D;                             // [Rh, lds] (one head at a time)
     float* m = S + R * lds;                                 // [R] running max
     float* l = m + R;                                       // [R] running sum
-    int64_t* lo = reinterpret_cast<int64_t*>(l + R);  // [R] first visible key (8-byte aligned)
-    int64_t* hi = lo + R;                                   // [R] last visible key
-    int64_t* pos = hi + R;                                  // [R] absolute query position
+    int64_t* lo = reinterpret_cast<int64_t*>(l + R);  // [Rh] first visible key (8-byte aligned)
+    int64_t* hi = lo + R;                                   // [Rh] last visible key
+    int64_t* pos = hi + R;                                  // [Rh] absolute query position
 
     int64_t ulo = INT64_MAX, uhi = -1;  // union of the rows' visible ranges
     for (int t = 0; t < ntok; ++t) {
@@ -172,14 +174,17 @@ struct AttnKernel {
       }
       for (int g = 0; g < G; ++g) {
         const int r = t * G + g;
-        Qk<VO, T>::pack(q_row(p, qs + it.q_begin + t, it.kv_head * G + g), qp + r * D, D);
-        m[r] = kNegInf;
-        l[r] = 0.f;
         lo[r] = a;
         hi[r] = b;
         pos[r] = ps;
-        for (int d = 0; d < D; d += W) VO::store(acc + r * D + d, VO::zero());
       }
+    }
+    for (int r = 0; r < R; ++r) {
+      Qk<VO, T>::pack(q_row(p, qs + it.q_begin + row_token(r, Rh, G), row_head(it, r, Rh, G)),
+                      qp + r * D, D);
+      m[r] = kNegInf;
+      l[r] = 0.f;
+      for (int d = 0; d < D; d += W) VO::store(acc + r * D + d, VO::zero());
     }
 
     if (ulo <= uhi) {
@@ -187,43 +192,51 @@ struct AttnKernel {
       const T* kbase = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
       const T* vbase = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
       // Decode is memory-latency bound: a core's demand misses alone reach about a quarter
-      // of DRAM bandwidth, so software-prefetch K/V ~64 KiB ahead (whole blocks, into L2).
+      // of DRAM bandwidth, so software-prefetch K/V ~64 KiB ahead (into L2). Steps are
+      // (block, head) pairs in the order they are computed.
       const int64_t first = ulo / BS, last = uhi / BS;
       const int64_t k_bytes = static_cast<int64_t>(BS) * p.k_stride_tok * sizeof(T);
       const int64_t v_bytes = static_cast<int64_t>(BS) * p.v_stride_tok * sizeof(T);
       const int64_t dist = std::max<int64_t>(1, (64 * 1024) / (k_bytes + v_bytes));
-      auto block_ptr = [&](int64_t blk, bool keys) {
-        const int64_t phys = bt[blk];
-        return keys ? reinterpret_cast<const char*>(kbase + phys * p.k_stride_block)
-                    : reinterpret_cast<const char*>(vbase + phys * p.v_stride_block);
+      const int64_t nsteps = (last - first + 1) * NH;
+      auto cursor = [&](int64_t step) {
+        const int64_t phys = bt[first + step / NH];
+        const int64_t h = step % NH;
+        return PrefetchCursor{
+            reinterpret_cast<const char*>(kbase + phys * p.k_stride_block + h * p.k_stride_head),
+            reinterpret_cast<const char*>(vbase + phys * p.v_stride_block + h * p.v_stride_head),
+            k_bytes, v_bytes};
       };
-      for (int64_t blk = first + 1; blk <= std::min(last, first + dist - 1); ++blk) {
-        PrefetchCursor warm{block_ptr(blk, true), block_ptr(blk, false), k_bytes, v_bytes};
+      for (int64_t st = 1; st < std::min(nsteps, dist); ++st) {
+        PrefetchCursor warm = cursor(st);
         warm.issue(warm.lines());
       }
-      for (int64_t blk = first; blk <= last; ++blk) {
-        // The lines of block blk + dist are spread over this block's q.k steps so the
-        // prefetches never pile up in the load queue.
+      for (int64_t st = 0; st < nsteps; ++st) {
+        const int64_t blk = first + st / NH;
+        const int h = static_cast<int>(st % NH);
+        // The lines of step st + dist are spread over this step's q.k so the prefetches
+        // never pile up in the load queue.
         PrefetchCursor pf{nullptr, nullptr, 0, 0};
-        if (blk + dist <= last)
-          pf = PrefetchCursor{block_ptr(blk + dist, true), block_ptr(blk + dist, false), k_bytes, v_bytes};
+        if (st + dist < nsteps) pf = cursor(st + dist);
         const int64_t base = blk * BS;
         const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
         const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, BS));
         const int64_t phys = bt[blk];
-        const T* kb = kbase + phys * p.k_stride_block;
-        const T* vb = vbase + phys * p.v_stride_block;
-        qk(qp, R, kb, p.k_stride_tok, t0, t1, S, lds, D, pf);
-        for (int r = 0; r < R; ++r) softmax_row(p, it, r, G, S + r * lds, base, t0, t1, lo[r],
-                                                hi[r], pos[r], m, l, acc + r * D, D);
-        Pv<VO, T>::pv(S, lds, R, vb, p.v_stride_tok, t0, t1, acc, D);
+        const T* kb = kbase + phys * p.k_stride_block + h * p.k_stride_head;
+        const T* vb = vbase + phys * p.v_stride_block + h * p.v_stride_head;
+        const int r0 = h * Rh;
+        qk(qp + r0 * D, Rh, kb, p.k_stride_tok, t0, t1, S, lds, D, pf);
+        for (int r = 0; r < Rh; ++r)
+          softmax_row(p, (it.kv_head + h) * G + r % G, S + r * lds, base, t0, t1, lo[r], hi[r],
+                      pos[r], m + r0 + r, l + r0 + r, acc + (r0 + r) * D, D);
+        Pv<VO, T>::pv(S, lds, Rh, vb, p.v_stride_tok, t0, t1, acc + r0 * D, D);
       }
     }
 
     for (int r = 0; r < R; ++r) Pv<VO, T>::finish_row(acc + r * D, D);
     if (it.part_out == nullptr) {
       for (int r = 0; r < R; ++r) {
-        const int h = it.kv_head * G + r % G;
+        const int h = row_head(it, r, Rh, G);
         float f = 0.f;
         float mm = m[r];
         float denom = l[r];
@@ -237,7 +250,7 @@ struct AttnKernel {
         } else if (denom > 0.f) {
           f = 1.f / denom;
         }
-        store_row(out_row(p, qs + it.q_begin + r / G, h), acc + r * D, f, D);
+        store_row(out_row(p, qs + it.q_begin + row_token(r, Rh, G), h), acc + r * D, f, D);
       }
     } else {
       for (int r = 0; r < R; ++r) {
@@ -250,11 +263,17 @@ struct AttnKernel {
     }
   }
 
+  // Query head and token offset of item row r (rows are head-major, see WorkItem).
+  static int row_head(const WorkItem& it, int r, int Rh, int G) {
+    return (it.kv_head + r / Rh) * G + (r % Rh) % G;
+  }
+  static int row_token(int r, int Rh, int G) { return (r % Rh) / G; }
+
   // Turns raw scores s[t0..t1) of one row into probabilities relative to the updated
   // running max, and rescales the row's accumulator and sum.
-  static void softmax_row(const AttnParams& p, const WorkItem& it, int r, int G, float* s,
-                          int64_t base, int t0, int t1, int64_t lo, int64_t hi, int64_t ps,
-                          float* m, float* l, float* acc, int D) {
+  static void softmax_row(const AttnParams& p, int qhead, float* s, int64_t base, int t0,
+                          int t1, int64_t lo, int64_t hi, int64_t ps, float* m, float* l,
+                          float* acc, int D) {
     const int tl = static_cast<int>(std::max<int64_t>(t0, lo - base));
     const int th = static_cast<int>(std::min<int64_t>(t1 - 1, hi - base));
     if (tl > th) {  // nothing visible for this row in this block
@@ -277,7 +296,7 @@ struct AttnKernel {
       for (int t = tl / W * W; t <= th; t += W) VO::store(s + t, VO::mul(VO::load(s + t), sv));
     }
     if (p.alibi != nullptr) {
-      const float slope = p.alibi[it.kv_head * G + r % G];
+      const float slope = p.alibi[qhead];
       const float off = static_cast<float>(base - ps);
       for (int t = tl; t <= th; ++t) s[t] += slope * (static_cast<float>(t) + off);
     }
@@ -288,17 +307,17 @@ struct AttnKernel {
     for (int t = t0; t < t1; t += W) mxv = VO::max(mxv, VO::load(s + t));
     const float mx = VO::hmax(mxv);
 
-    const float m_old = m[r];
+    const float m_old = *m;
     const float m_new = std::max(m_old, mx);
-    const float corr = m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
+    const float corr = m_old == m_new ? 1.f : m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
     V sum = VO::zero();
     for (int t = t0; t < t1; t += W) {
       const V e = VO::exp(VO::add(VO::load(s + t), VO::set1(-m_new)));
       VO::store(s + t, e);
       sum = VO::add(sum, e);
     }
-    l[r] = l[r] * corr + VO::hsum(sum);
-    m[r] = m_new;
+    *l = *l * corr + VO::hsum(sum);
+    *m = m_new;
     if (corr != 1.f) {
       const V cv = VO::set1(corr);
       for (int d = 0; d < D; d += W) VO::store(acc + d, VO::mul(VO::load(acc + d), cv));
@@ -311,12 +330,13 @@ struct AttnKernel {
     const int D = p.head_size;
     const int G = p.num_heads / p.num_kv_heads;
     const int64_t qs = p.query_start_loc[it.req];
-    const int R = (it.q_end - it.q_begin) * G;
+    const int Rh = (it.q_end - it.q_begin) * G;
+    const int R = it.heads() * Rh;
     for (int r = 0; r < R; ++r) {
-      const int h = it.kv_head * G + r % G;
+      const int h = row_head(it, r, Rh, G);
       float mx = p.sink != nullptr ? p.sink[h] : kNegInf;
       for (int s = 0; s < nsplit; ++s) mx = std::max(mx, it.part_lse[s * lse_stride + r]);
-      T* dst = out_row(p, qs + it.q_begin + r / G, h);
+      T* dst = out_row(p, qs + it.q_begin + row_token(r, Rh, G), h);
       if (mx == kNegInf) {
         for (int d = 0; d < D; d += W) VO::cvt_store(dst + d, VO::zero());
         continue;

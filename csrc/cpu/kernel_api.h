@@ -45,12 +45,20 @@ struct AttnParams {
 // otherwise it writes a normalized partial result and its log-sum-exp for a later merge:
 //   part_out [rows, head_size] fp32, part_lse [rows] fp32 (-inf: no visible key),
 // where row = (token - q_begin) * group + (head - kv_head * group).
+//
+// An item may cover kv heads [kv_head, kv_head + kv_heads) (kv_heads <= 1: just kv_head):
+// decode items take every head of a request, so each paged block is read as one contiguous
+// K run and one V run of num_kv_heads * block_size rows (hardware prefetchers and DRAM
+// pages like long runs; 8 KiB per-head pieces at random addresses stream ~30% slower).
+// Rows are then head-major: row = head_offset * (tokens * group) + token * group + g.
 struct WorkItem {
   int32_t req, kv_head;
   int32_t q_begin, q_end;
   int32_t kv_begin, kv_end;
   float* part_out;
   float* part_lse;
+  int32_t kv_heads = 1;
+  int heads() const { return kv_heads > 1 ? kv_heads : 1; }
 };
 
 struct KernelTable {
