@@ -158,12 +158,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
     TORCH_CHECK_TYPE(t->scalar_type() == query.scalar_type(),
                      "query, key_cache, value_cache and output must share one dtype; query is ",
                      query.scalar_type(), ", got ", t->scalar_type());
-  check_cpu(key_cache, "key_cache");
-  check_cpu(value_cache, "value_cache");
-  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be 4-D [num_blocks, num_kv_heads, ",
-                    "block_size, head_size], got shape ", key_cache.sizes());
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ",
-                    value_cache.sizes(), " must equal key_cache shape ", key_cache.sizes());
+  check_cache_pair(key_cache, value_cache);
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), hs = query.size(2);
   const int64_t num_blocks = key_cache.size(0), num_kv_heads = key_cache.size(1);
   const int64_t bs = key_cache.size(2);

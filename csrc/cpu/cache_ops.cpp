@@ -9,22 +9,6 @@
 
 namespace pagedattn {
 
-static void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
-  check_cpu(key_cache, "key_cache");
-  check_cpu(value_cache, "value_cache");
-  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be 4-D [num_blocks, num_kv_heads, ",
-                    "block_size, head_size], got shape ", key_cache.sizes());
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ",
-                    value_cache.sizes(), " must equal key_cache shape ", key_cache.sizes());
-  TORCH_CHECK_TYPE(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
-                   value_cache.scalar_type(), " must equal key_cache dtype ",
-                   key_cache.scalar_type());
-  to_dtype(key_cache.scalar_type(), "key_cache");
-  for (const auto* t : {&key_cache, &value_cache})
-    TORCH_CHECK_VALUE(t->size(3) <= 1 || t->stride(3) == 1, "kv cache last dim must be contiguous, ",
-                      "got strides ", t->strides());
-}
-
 void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                                 at::Tensor& key_cache, at::Tensor& value_cache,
                                 const at::Tensor& slot_mapping, int64_t isa) {
