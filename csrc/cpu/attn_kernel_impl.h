@@ -115,6 +115,13 @@ struct PvGeneric {
 template <class VO, class T>
 struct Pv : PvGeneric<VO, T> {};
 
+// Hook for an ISA-specific kernel of whole prefill items (many query rows); returns false
+// when it does not handle the item, which then takes the generic path below.
+template <class VO, class T>
+struct PrefillItem {
+  static bool run(const AttnParams&, const WorkItem&, float*) { return false; }
+};
+
 template <class VO, class T>
 struct AttnKernel {
   using V = typename VO::V;
@@ -162,6 +169,7 @@ struct AttnKernel {
     const int Rh = ntok * G;  // rows per kv head
     const int R = NH * Rh;
     const int lds = (BS + 2 * W + 15) / 16 * 16;
+    if (PrefillItem<VO, T>::run(p, it, scratch)) return;
 
     using QElem = typename Qk<VO, T>::QElem;
     float* acc = scratch;                                   // [R, D]
@@ -246,6 +254,18 @@ struct AttnKernel {
     }
 
     for (int r = 0; r < R; ++r) Pv<VO, T>::finish_row(acc + r * D, D);
+    finish(p, it, acc, m, l);
+  }
+
+  // Writes the item's rows: acc [R, D] (unnormalized), running max m and sum l [R] ->
+  // the output rows (sink folded in), or a normalized partial and its log-sum-exp.
+  static void finish(const AttnParams& p, const WorkItem& it, const float* acc, const float* m,
+                     const float* l) {
+    const int D = p.head_size;
+    const int G = p.num_heads / p.num_kv_heads;
+    const int64_t qs = p.query_start_loc[it.req];
+    const int Rh = (it.q_end - it.q_begin) * G;
+    const int R = it.heads() * Rh;
     if (it.part_out == nullptr) {
       for (int r = 0; r < R; ++r) {
         const int h = row_head(it, r, Rh, G);

@@ -158,6 +158,7 @@ struct Pv<VecAvx512, bf16_t> {
     }
   }
 };
+#include "prefill_lanes_avx512bf16.h"
 }  // namespace
 
 const KernelTable* kernels_avx512bf16() {
