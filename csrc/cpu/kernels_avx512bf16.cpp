@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "isa_generated.h"
 #include "kernel_api.h"
@@ -158,7 +159,7 @@ struct Pv<VecAvx512, bf16_t> {
     }
   }
 };
-#include "prefill_lanes_avx512bf16.h"
+#include "prefill_lanes_avx512.h"
 }  // namespace
 
 const KernelTable* kernels_avx512bf16() {

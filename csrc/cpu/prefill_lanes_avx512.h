@@ -1,0 +1,248 @@
+// Prefill items (>= 16 query rows of one kv head) with query rows in vector lanes: bf16 with
+// AVX512-BF16 dot products, fp32 with FMA. Included by kernels_avx512bf16.cpp after
+// attn_kernel_impl.h (it specializes the PrefillItem hook).
+//
+// Why rows in lanes: the generic path puts keys in lanes, so every q.k ends in a horizontal
+// lane reduction and softmax is per-row scalar bookkeeping. With S^T[key][row] tiles:
+// - q.k is an outer product: Q^T is packed once per item ([D][rows] fp32, or bf16 pairs
+//   [D/2][rows]) and each key's element (pair) is broadcast straight from the cache
+//   ({1to16} operand); a KT keys x 2 row-groups register tile, no reductions.
+// - online softmax is elementwise over 16 rows at once (max/sum across keys are plain
+//   vmax/vadd); the mask is two integer compares per key.
+// - P.V accumulates O^T[d][row] += P^T[t][row] * V[t][d] with V[t][d] broadcast. bf16 rounds
+//   P^T to bf16 pairs over consecutive keys and repacks V per block as (V[t][d], V[t+1][d])
+//   pairs so one vdpbf16ps covers two keys.
+// O^T is transposed once at the end and AttnKernel::finish writes the rows.
+template <class T>
+struct LanesPrefill {
+  static constexpr bool kBf16 = std::is_same<T, bf16_t>::value;
+  static constexpr int KT = 8;  // keys per q.k tile (x 2 row groups = 16 accumulators)
+  static constexpr int DT = 8;  // d rows per P.V tile
+  static constexpr int QS = kBf16 ? 2 : 1;  // d per packed Q^T / V element
+  using Kern = AttnKernel<VecAvx512, T>;
+
+  static int32_t pair_at(const bf16_t* p) {
+    int32_t x;
+    std::memcpy(&x, p, 4);
+    return x;
+  }
+  // acc += q * broadcast(k element at kp): one d pair (bf16) or one d (fp32).
+  static __m512 mac(__m512 acc, __m512 q, const T* kp) {
+    if constexpr (kBf16)
+      return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)_mm512_set1_epi32(pair_at(kp)));
+    else
+      return _mm512_fmadd_ps(q, _mm512_set1_ps(*kp), acc);
+  }
+
+  // st[t][rows] (t in [ta, tb)) = Q.K^T for row groups [g0, g0 + NG)
+  template <int NG>
+  static void qk(const float* qp, int Rp, int g0, const T* kb, int64_t kst, int ta, int tb, int D,
+                 float* st) {
+    for (int t = ta; t < tb; t += KT) {
+      __m512 a[KT][NG];
+      for (int k = 0; k < KT; ++k)
+        for (int g = 0; g < NG; ++g) a[k][g] = _mm512_setzero_ps();
+      const T* kr = kb + t * kst;
+      for (int i = 0; i < D / QS; ++i) {
+        __m512 q[NG];
+        for (int g = 0; g < NG; ++g) q[g] = _mm512_loadu_ps(qp + i * Rp + (g0 + g) * 16);
+#pragma GCC unroll 8
+        for (int k = 0; k < KT; ++k)
+          for (int g = 0; g < NG; ++g) a[k][g] = mac(a[k][g], q[g], kr + k * kst + QS * i);
+      }
+      for (int k = 0; k < KT; ++k)
+        for (int g = 0; g < NG; ++g) _mm512_storeu_ps(st + (t + k) * Rp + (g0 + g) * 16, a[k][g]);
+    }
+  }
+
+  // ot[d][rows] += sum_j P[j][rows] * Vb[j][d] for j in [j0, j1), row groups [g0, g0 + NG):
+  // bf16: P = pairs of P^T, Vb = V pairs (vst = D); fp32: P = P^T, Vb = the cache block.
+  template <int NG>
+  static void pv(const float* P, const T* vb, int64_t vst, int j0, int j1, int Rp, int g0, int D,
+                 float* ot) {
+    for (int d0 = 0; d0 < D; d0 += DT) {
+      __m512 a[DT][NG];
+      for (int k = 0; k < DT; ++k)
+        for (int g = 0; g < NG; ++g) a[k][g] = _mm512_loadu_ps(ot + (d0 + k) * Rp + (g0 + g) * 16);
+      for (int j = j0; j < j1; ++j) {
+        __m512 pr[NG];
+        for (int g = 0; g < NG; ++g) pr[g] = _mm512_loadu_ps(P + j * Rp + (g0 + g) * 16);
+#pragma GCC unroll 8
+        for (int k = 0; k < DT; ++k)
+          for (int g = 0; g < NG; ++g) a[k][g] = mac(a[k][g], pr[g], vb + j * vst + QS * (d0 + k));
+      }
+      for (int k = 0; k < DT; ++k)
+        for (int g = 0; g < NG; ++g) _mm512_storeu_ps(ot + (d0 + k) * Rp + (g0 + g) * 16, a[k][g]);
+    }
+  }
+
+  static bool run(const AttnParams& p, const WorkItem& it, float* scratch) {
+    const int D = p.head_size, BS = p.block_size;
+    const int G = p.num_heads / p.num_kv_heads;
+    const int ntok = it.q_end - it.q_begin;
+    const int R = ntok * G;
+    if (it.heads() != 1 || R < 16 || BS % KT != 0) return false;
+    const int Rp = (R + 15) / 16 * 16, NG = Rp / 16;
+    const int NP = BS / 2;
+    const size_t need = static_cast<size_t>(D / QS) * Rp + static_cast<size_t>(D) * Rp +
+                        static_cast<size_t>(BS) * Rp + (kBf16 ? static_cast<size_t>(NP) * (Rp + D) : 0) +
+                        6 * static_cast<size_t>(Rp) + static_cast<size_t>(R) * D;
+    if (need > attn_scratch_floats(R, D, BS)) return false;
+    float* qp = scratch;                 // [D/QS][Rp] Q^T (bf16: pairs as 32-bit words)
+    float* ot = qp + (D / QS) * Rp;      // [D][Rp] O^T accumulators
+    float* st = ot + D * Rp;             // [BS][Rp] scores, then probabilities
+    float* pp = st + BS * Rp;            // bf16: [NP][Rp] pairs of P^T
+    T* vp = reinterpret_cast<T*>(pp + (kBf16 ? NP * Rp : 0));  // bf16: [NP][D] V pairs
+    float* m = reinterpret_cast<float*>(vp) + (kBf16 ? NP * D : 0);  // [Rp] running max
+    float* l = m + Rp;                                      // [Rp] running sum
+    int32_t* lo = reinterpret_cast<int32_t*>(l + Rp);       // [Rp] first visible key
+    int32_t* hi = lo + Rp;                                  // [Rp] last visible key
+    float* apos = reinterpret_cast<float*>(hi + Rp);        // [Rp] -position (ALiBi)
+    float* slope = apos + Rp;                               // [Rp] ALiBi slope
+    float* acc = slope + Rp;                                // [R][D] rows for finish
+
+    const int64_t qs = p.query_start_loc[it.req];
+    const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
+    const int64_t kv_len = p.seq_lens[it.req];
+    int64_t ulo = INT64_MAX, uhi = -1;
+    for (int r = 0; r < Rp; ++r) {  // padding rows see nothing
+      lo[r] = 1, hi[r] = 0, apos[r] = 0.f, slope[r] = 0.f;
+      m[r] = kNegInf, l[r] = 0.f;
+    }
+    for (int t = 0; t < ntok; ++t) {
+      const int64_t ps = kv_len - q_len + it.q_begin + t;
+      int64_t a = it.kv_begin, b = static_cast<int64_t>(it.kv_end) - 1;
+      if (p.causal) b = std::min(b, ps);
+      if (p.window_left >= 0) a = std::max(a, ps - p.window_left);
+      if (p.window_right >= 0) b = std::min(b, ps + p.window_right);
+      if (a <= b) {
+        ulo = std::min(ulo, a);
+        uhi = std::max(uhi, b);
+      } else {
+        a = 1, b = 0;
+      }
+      for (int g = 0; g < G; ++g) {
+        const int r = t * G + g;
+        lo[r] = static_cast<int32_t>(a);  // positions are < seq_lens (int32)
+        hi[r] = static_cast<int32_t>(b);
+        apos[r] = -static_cast<float>(ps);
+        if (p.alibi != nullptr) slope[r] = p.alibi[it.kv_head * G + g];
+      }
+    }
+    for (int i = 0; i < (D / QS) * Rp; ++i) qp[i] = 0.f;
+    for (int r = 0; r < R; ++r) {
+      const T* q = Kern::q_row(p, qs + it.q_begin + r / G, it.kv_head * G + r % G);
+      for (int i = 0; i < D / QS; ++i) std::memcpy(qp + i * Rp + r, q + QS * i, 4);
+    }
+    for (int i = 0; i < D * Rp; i += 16) _mm512_storeu_ps(ot + i, _mm512_setzero_ps());
+
+    if (ulo <= uhi) {
+      const int32_t* bt = p.block_table + it.req * p.bt_stride;
+      const T* kbase = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
+      const T* vbase = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
+      const __m512 ninf = _mm512_set1_ps(kNegInf), one = _mm512_set1_ps(1.f);
+      const __m512 scale = _mm512_set1_ps(p.scale);
+      const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                           1, 16, 0);
+      for (int64_t blk = ulo / BS; blk <= uhi / BS; ++blk) {
+        const int64_t base = blk * BS;
+        const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
+        const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, BS));
+        const int ta = t0 / KT * KT, tb = (t1 + KT - 1) / KT * KT;  // tb <= BS
+        const int64_t phys = bt[blk];
+        const T* kb = kbase + phys * p.k_stride_block;
+        const T* vb = vbase + phys * p.v_stride_block;
+        // Keys [ta, tb) exist in the block; what those past t1 hold is masked to -inf below.
+        int g0 = 0;
+        for (; g0 + 2 <= NG; g0 += 2) qk<2>(qp, Rp, g0, kb, p.k_stride_tok, ta, tb, D, st);
+        if (g0 < NG) qk<1>(qp, Rp, g0, kb, p.k_stride_tok, ta, tb, D, st);
+
+        for (int g = 0; g < NG; ++g) {  // online softmax, 16 rows per vector
+          const int o = g * 16;
+          const __m512i lov = _mm512_loadu_si512(lo + o), hiv = _mm512_loadu_si512(hi + o);
+          const __m512 sl = _mm512_loadu_ps(slope + o);
+          const __m512 ap = _mm512_add_ps(_mm512_loadu_ps(apos + o),
+                                          _mm512_set1_ps(static_cast<float>(base)));
+          const __m512 m_old = _mm512_loadu_ps(m + o);
+          __m512 mx = m_old;
+          for (int t = ta; t < tb; ++t) {
+            __m512 s = _mm512_loadu_ps(st + t * Rp + o);
+            if (p.softcap > 0.f) {  // cap * tanh(x), as in softmax_row
+              const __m512 e = VecAvx512::exp(_mm512_mul_ps(s, _mm512_set1_ps(2.f * p.scale / p.softcap)));
+              s = _mm512_mul_ps(_mm512_set1_ps(p.softcap),
+                                _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one))));
+            } else {
+              s = _mm512_mul_ps(s, scale);
+            }
+            if (p.alibi != nullptr)
+              s = _mm512_fmadd_ps(sl, _mm512_add_ps(ap, _mm512_set1_ps(static_cast<float>(t))), s);
+            const __m512i kp = _mm512_set1_epi32(static_cast<int32_t>(base + t));
+            const __mmask16 vis = _mm512_cmple_epi32_mask(lov, kp) & _mm512_cmple_epi32_mask(kp, hiv);
+            s = _mm512_mask_mov_ps(ninf, vis, s);
+            _mm512_storeu_ps(st + t * Rp + o, s);
+            mx = _mm512_max_ps(mx, s);
+          }
+          // A row with nothing visible yet keeps m = -inf and subtracts 0 (exp(-inf) = 0).
+          const __m512 mu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_OQ), mx);
+          const __mmask16 moved = _mm512_cmp_ps_mask(m_old, mx, _CMP_NEQ_OQ);
+          const __m512 corr = _mm512_mask_mov_ps(one, moved, VecAvx512::exp(_mm512_sub_ps(m_old, mu)));
+          __m512 sum = _mm512_setzero_ps();
+          for (int t = ta; t < tb; t += 2) {
+            const __m512 e0 = VecAvx512::exp(_mm512_sub_ps(_mm512_loadu_ps(st + t * Rp + o), mu));
+            const __m512 e1 = VecAvx512::exp(_mm512_sub_ps(_mm512_loadu_ps(st + (t + 1) * Rp + o), mu));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+            if constexpr (kBf16) {  // (p_t, p_t+1) bf16 pairs per row, round to nearest even
+              const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+              _mm512_storeu_si512(pp + (t - ta) / 2 * Rp + o, _mm512_permutexvar_epi16(ilv, b));
+            } else {
+              _mm512_storeu_ps(st + t * Rp + o, e0);
+              _mm512_storeu_ps(st + (t + 1) * Rp + o, e1);
+            }
+          }
+          _mm512_storeu_ps(l + o, _mm512_fmadd_ps(_mm512_loadu_ps(l + o), corr, sum));
+          _mm512_storeu_ps(m + o, mx);
+          if (moved != 0)
+            for (int d = 0; d < D; ++d)
+              _mm512_storeu_ps(ot + d * Rp + o, _mm512_mul_ps(_mm512_loadu_ps(ot + d * Rp + o), corr));
+        }
+
+        if constexpr (kBf16) {
+          // V pairs over keys [ta, tb); keys outside [t0, t1) are zero (never read them:
+          // unwritten cache rows may hold NaN, and 0 * NaN would poison the sums).
+          const int np = (tb - ta) / 2;
+          for (int j = 0; j < np; ++j) {
+            const int t = ta + 2 * j;
+            const bool in0 = t >= t0 && t < t1, in1 = t + 1 >= t0 && t + 1 < t1;
+            for (int d = 0; d < D; d += 16) {
+              const auto row = [&](int tt) {
+                return _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(vb + tt * p.v_stride_tok + d)));
+              };
+              const __m512i x = in0 ? row(t) : _mm512_setzero_si512();
+              const __m512i y = in1 ? row(t + 1) : _mm512_setzero_si512();
+              _mm512_storeu_si512(vp + j * 2 * D + 2 * d, _mm512_or_si512(x, _mm512_slli_epi32(y, 16)));
+            }
+          }
+          g0 = 0;
+          for (; g0 + 2 <= NG; g0 += 2) pv<2>(pp, vp, 2 * D, 0, np, Rp, g0, D, ot);
+          if (g0 < NG) pv<1>(pp, vp, 2 * D, 0, np, Rp, g0, D, ot);
+        } else {  // only keys [t0, t1): the others may be NaN, see above
+          g0 = 0;
+          for (; g0 + 2 <= NG; g0 += 2) pv<2>(st, vb, p.v_stride_tok, t0, t1, Rp, g0, D, ot);
+          if (g0 < NG) pv<1>(st, vb, p.v_stride_tok, t0, t1, Rp, g0, D, ot);
+        }
+      }
+    }
+
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < D; ++d) acc[r * D + d] = ot[d * Rp + r];
+    Kern::finish(p, it, acc, m, l);
+    return true;
+  }
+};
+
+template <>
+struct PrefillItem<VecAvx512, bf16_t> : LanesPrefill<bf16_t> {};
+template <>
+struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
