@@ -19,6 +19,7 @@ struct LanesPrefill {
   static constexpr int KT = 8;  // keys per q.k tile (x 2 row groups = 16 accumulators)
   static constexpr int DT = 8;  // d rows per P.V tile
   static constexpr int QS = kBf16 ? 2 : 1;  // d per packed Q^T / V element
+  static constexpr float kLazy = 8.f;
   using Kern = AttnKernel<VecAvx512, T>;
 
   static int32_t pair_at(const bf16_t* p) {
@@ -32,6 +33,32 @@ struct LanesPrefill {
       return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)_mm512_set1_epi32(pair_at(kp)));
     else
       return _mm512_fmadd_ps(q, _mm512_set1_ps(*kp), acc);
+  }
+
+  // In-register transpose of a 16 x 16 matrix of 32-bit elements (r[i] = row i).
+  static void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + j], 128-bit lane k: column 4k + j, rows 4i..4i+3
+      r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+      r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m512 v0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+      const __m512 v1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+      const __m512 w0 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+      const __m512 w1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+      t[j] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+      t[8 + j] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+      t[4 + j] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+      t[12 + j] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
   }
 
   // st[t][rows] (t in [ta, tb)) = Q.K^T for row groups [g0, g0 + NG)
@@ -129,11 +156,21 @@ struct LanesPrefill {
         if (p.alibi != nullptr) slope[r] = p.alibi[it.kv_head * G + g];
       }
     }
-    for (int i = 0; i < (D / QS) * Rp; ++i) qp[i] = 0.f;
-    for (int r = 0; r < R; ++r) {
-      const T* q = Kern::q_row(p, qs + it.q_begin + r / G, it.kv_head * G + r % G);
-      for (int i = 0; i < D / QS; ++i) std::memcpy(qp + i * Rp + r, q + QS * i, 4);
-    }
+    // Q^T: 16 rows x 16 words (fp32 elements or bf16 pairs) at a time; padding rows are 0.
+    const int U = D / QS;
+    for (int r0 = 0; r0 < Rp; r0 += 16)
+      for (int u0 = 0; u0 < U; u0 += 16) {
+        const __mmask16 mk = U - u0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (U - u0)) - 1);
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i) {
+          const int r = r0 + i;
+          x[i] = r < R ? _mm512_maskz_loadu_ps(mk, Kern::q_row(p, qs + it.q_begin + r / G,
+                                                               it.kv_head * G + r % G) + QS * u0)
+                       : _mm512_setzero_ps();
+        }
+        transpose16(x);
+        for (int j = 0; j < 16 && u0 + j < U; ++j) _mm512_storeu_ps(qp + (u0 + j) * Rp + r0, x[j]);
+      }
     for (int i = 0; i < D * Rp; i += 16) _mm512_storeu_ps(ot + i, _mm512_setzero_ps());
 
     if (ulo <= uhi) {
@@ -165,6 +202,9 @@ struct LanesPrefill {
           const __m512 ap = _mm512_add_ps(_mm512_loadu_ps(apos + o),
                                           _mm512_set1_ps(static_cast<float>(base)));
           const __m512 m_old = _mm512_loadu_ps(m + o);
+          // Interior blocks (every key visible to every row of the group) skip the mask.
+          const bool full = _mm512_reduce_max_epi32(lov) <= base + ta &&
+                            _mm512_reduce_min_epi32(hiv) >= base + tb - 1;
           __m512 mx = m_old;
           for (int t = ta; t < tb; ++t) {
             __m512 s = _mm512_loadu_ps(st + t * Rp + o);
@@ -177,15 +217,22 @@ struct LanesPrefill {
             }
             if (p.alibi != nullptr)
               s = _mm512_fmadd_ps(sl, _mm512_add_ps(ap, _mm512_set1_ps(static_cast<float>(t))), s);
-            const __m512i kp = _mm512_set1_epi32(static_cast<int32_t>(base + t));
-            const __mmask16 vis = _mm512_cmple_epi32_mask(lov, kp) & _mm512_cmple_epi32_mask(kp, hiv);
-            s = _mm512_mask_mov_ps(ninf, vis, s);
+            if (!full) {
+              const __m512i kp = _mm512_set1_epi32(static_cast<int32_t>(base + t));
+              const __mmask16 vis = _mm512_cmple_epi32_mask(lov, kp) & _mm512_cmple_epi32_mask(kp, hiv);
+              s = _mm512_mask_mov_ps(ninf, vis, s);
+            }
             _mm512_storeu_ps(st + t * Rp + o, s);
             mx = _mm512_max_ps(mx, s);
           }
+          // Lazy max: a row keeps its old (finite) max unless the block's exceeds it by more
+          // than kLazy, so probabilities stay <= e^kLazy (exact enough in fp32 and as bf16)
+          // and O^T is rescaled far less often.
+          const __mmask16 moved = _mm512_cmp_ps_mask(
+              _mm512_add_ps(m_old, _mm512_set1_ps(kLazy)), mx, _CMP_LT_OQ);
+          mx = _mm512_mask_mov_ps(m_old, moved, mx);
           // A row with nothing visible yet keeps m = -inf and subtracts 0 (exp(-inf) = 0).
           const __m512 mu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_OQ), mx);
-          const __mmask16 moved = _mm512_cmp_ps_mask(m_old, mx, _CMP_NEQ_OQ);
           const __m512 corr = _mm512_mask_mov_ps(one, moved, VecAvx512::exp(_mm512_sub_ps(m_old, mu)));
           __m512 sum = _mm512_setzero_ps();
           for (int t = ta; t < tb; t += 2) {
@@ -235,8 +282,13 @@ struct LanesPrefill {
       }
     }
 
-    for (int r = 0; r < R; ++r)
-      for (int d = 0; d < D; ++d) acc[r * D + d] = ot[d * Rp + r];
+    for (int r0 = 0; r0 < Rp; r0 += 16)
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i) x[i] = _mm512_loadu_ps(ot + (d0 + i) * Rp + r0);
+        transpose16(x);
+        for (int j = 0; j < 16 && r0 + j < R; ++j) _mm512_storeu_ps(acc + (r0 + j) * D + d0, x[j]);
+      }
     Kern::finish(p, it, acc, m, l);
     return true;
   }
