@@ -19,9 +19,17 @@
 //   reductions), ~22% P.V, ~12% softmax. Reading each block as one contiguous run over all
 //   kv heads (WorkItem::kv_heads) was worth +15-25% over per-head 8 KiB pieces; prefetch
 //   distance 32-128 KiB and prefetcht1 vs t0/t2/nta or every-other-line made no gain.
-// - Prefill bf16 (1x2048 causal) ~237 GFLOP/s on 2 threads (~56% of the ~420 vdpbf16ps
-//   peak; 1 thread 117): q.k lane reductions and per-row softmax bookkeeping are the
-//   non-dot-product share. fp32 prefill ~150 GFLOP/s (FMA, ~75% of the fp32 peak).
+// - Prefill items (>= 16 rows of one kv head) on AVX-512 take PrefillItem, the rows-in-lanes
+//   kernel of prefill_lanes_avx512.h (bf16 and fp32): this generic path spent its
+//   non-dot-product time on q.k lane reductions and per-row softmax bookkeeping and reached
+//   ~237 GFLOP/s bf16 / ~150 fp32 (1x2048 causal, 2 threads). Rows in lanes: bf16 1x2048
+//   ~310-320 GFLOP/s (~75% of the ~420 vdpbf16ps peak), 4x512 ~290, mixed (16 decodes @2048
+//   + a 512-token chunk) ~300; vLLM 0.32 on the same inputs 150-160, i.e. ~2.0x. fp32
+//   1x2048 ~185-190 (~92% of the ~200 FMA peak), 4x512 ~170; vLLM 177/155-165, ~1.03-1.08x.
+//   perf: its q.k and P.V register tiles run at FMA / vdpbf16ps peak; the rest is softmax
+//   (exp), cold Q reads and output writes (~7% + ~3% at 4x512 fp32). Tried without a
+//   measurable gain: a 12-op exp with vscalefps, 12-row P.V tiles (fp32 ~5% slower),
+//   prefetching the next item's Q rows / this item's output lines from the scheduler.
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
