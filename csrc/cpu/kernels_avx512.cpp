@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "isa_generated.h"
 #include "kernel_api.h"
@@ -18,6 +19,9 @@ namespace {
 #include "vec_scalar.h"
 #include "vec_avx512.h"
 #include "attn_kernel_impl.h"
+#include "prefill_lanes_avx512.h"
+template <>
+struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 }  // namespace
 
 const KernelTable* kernels_avx512() {

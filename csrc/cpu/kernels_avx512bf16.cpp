@@ -160,6 +160,10 @@ struct Pv<VecAvx512, bf16_t> {
   }
 };
 #include "prefill_lanes_avx512.h"
+template <>
+struct PrefillItem<VecAvx512, bf16_t> : LanesPrefill<bf16_t> {};
+template <>
+struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 }  // namespace
 
 const KernelTable* kernels_avx512bf16() {

@@ -1,6 +1,7 @@
 // Prefill items (>= 16 query rows of one kv head) with query rows in vector lanes: bf16 with
-// AVX512-BF16 dot products, fp32 with FMA. Included by kernels_avx512bf16.cpp after
-// attn_kernel_impl.h (it specializes the PrefillItem hook).
+// AVX512-BF16 dot products, fp32 with FMA. Included by kernels_avx512*.cpp after
+// attn_kernel_impl.h; each TU specializes the PrefillItem hook for the dtypes its target
+// supports (LanesPrefill<bf16_t> needs AVX512-BF16, LanesPrefill<float> only AVX512F).
 //
 // Why rows in lanes: the generic path puts keys in lanes, so every q.k ends in a horizontal
 // lane reduction and softmax is per-row scalar bookkeeping. With S^T[key][row] tiles:
@@ -293,8 +294,3 @@ struct LanesPrefill {
     return true;
   }
 };
-
-template <>
-struct PrefillItem<VecAvx512, bf16_t> : LanesPrefill<bf16_t> {};
-template <>
-struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
