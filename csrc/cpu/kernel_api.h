@@ -3,6 +3,7 @@
 // Keeping torch out of the ISA TUs matters: an inline torch function compiled there with
 // AVX-512 could be the copy the linker keeps for every caller (ODR), crashing older CPUs.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -51,6 +52,22 @@ struct AttnParams {
 // K run and one V run of num_kv_heads * block_size rows (hardware prefetchers and DRAM
 // pages like long runs; 8 KiB per-head pieces at random addresses stream ~30% slower).
 // Rows are then head-major: row = head_offset * (tokens * group) + token * group + g.
+// Keys [first, last] inside [kv_begin, kv_end) that a query at absolute position `pos`
+// may see (SPEC.md visibility rule: causal, then the (left, right) window; -1 = unbounded).
+// first > last when it sees none. The one C++ statement of the rule: every kernel uses it.
+// Included before any `#pragma GCC target`, so every TU compiles it for the baseline ISA.
+struct KeyRange {
+  int64_t first, last;
+};
+inline KeyRange visible_key_range(const AttnParams& p, int64_t pos, int64_t kv_begin,
+                                  int64_t kv_end) {
+  KeyRange r{kv_begin, kv_end - 1};
+  if (p.causal) r.last = std::min(r.last, pos);
+  if (p.window_left >= 0) r.first = std::max(r.first, pos - p.window_left);
+  if (p.window_right >= 0) r.last = std::min(r.last, pos + p.window_right);
+  return r;
+}
+
 struct WorkItem {
   int32_t req, kv_head;
   int32_t q_begin, q_end;

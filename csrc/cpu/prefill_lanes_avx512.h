@@ -139,10 +139,8 @@ struct LanesPrefill {
     }
     for (int t = 0; t < ntok; ++t) {
       const int64_t ps = kv_len - q_len + it.q_begin + t;
-      int64_t a = it.kv_begin, b = static_cast<int64_t>(it.kv_end) - 1;
-      if (p.causal) b = std::min(b, ps);
-      if (p.window_left >= 0) a = std::max(a, ps - p.window_left);
-      if (p.window_right >= 0) b = std::min(b, ps + p.window_right);
+      const KeyRange keys = visible_key_range(p, ps, it.kv_begin, it.kv_end);
+      int64_t a = keys.first, b = keys.last;
       if (a <= b) {
         ulo = std::min(ulo, a);
         uhi = std::max(uhi, b);
