@@ -442,14 +442,19 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
                None if self.alibi_slopes is None else tuple(self.alibi_slopes.tolist()), dtype)
         bias = attn_metadata.sdpa_attn_masks.get(key)
         if bias is None:
-            visible = visibility_mask(seq_len, seq_len, causal, self.sliding_window)
-            bias = torch.zeros(self.num_heads, seq_len, seq_len, dtype=torch.float32)
-            if self.alibi_slopes is not None:
-                pos = torch.arange(seq_len, dtype=torch.float32)
-                bias += self.alibi_slopes.view(-1, 1, 1) * (pos.view(1, 1, -1) - pos.view(1, -1, 1))
-            bias = bias.masked_fill(~visible, float("-inf")).to(dtype)
+            bias = self._score_bias(seq_len, causal).to(dtype)
             attn_metadata.sdpa_attn_masks[key] = bias
         return bias
+
+    def _score_bias(self, seq_len: int, causal: bool) -> torch.Tensor:
+        """fp32 ``[H, L, L]`` added to the scores: ALiBi ``slope[h] * (j - i)`` where key j
+        is visible to query i, ``-inf`` elsewhere."""
+        bias = torch.zeros(self.num_heads, seq_len, seq_len, dtype=torch.float32)
+        if self.alibi_slopes is not None:
+            pos = torch.arange(seq_len, dtype=torch.float32)
+            bias += self.alibi_slopes.view(-1, 1, 1) * (pos.view(1, 1, -1) - pos.view(1, -1, 1))
+        visible = visibility_mask(seq_len, seq_len, causal, self.sliding_window)
+        return bias.masked_fill(~visible, float("-inf"))
 
     def _sdpa_forward(self, query, key, value, output, attn_metadata, *, causal: bool) -> None:
         """Per-sequence attention over the step's own K/V (no cache), into ``output``."""
@@ -478,11 +483,7 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         scores = torch.matmul(q.float(), k.transpose(1, 2)) * self.scale
         if self.logits_soft_cap > 0:
             scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
-        if self.alibi_slopes is not None:
-            pos = torch.arange(seq_len, dtype=torch.float32)
-            scores = scores + self.alibi_slopes.view(-1, 1, 1) * (pos.view(1, 1, -1) - pos.view(1, -1, 1))
-        visible = visibility_mask(seq_len, seq_len, causal, self.sliding_window)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores + self._score_bias(seq_len, causal)
         if self.sinks is not None:
             sink_col = self.sinks.float().view(-1, 1, 1).expand(-1, seq_len, 1)
             probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
