@@ -64,6 +64,13 @@ struct QkGeneric {
     }
     return VO::reduce_lanes(a);
   }
+  // Scores of two query rows against the same W keys (into s0, s1); ISA specializations
+  // read each key row once for both.
+  static void dot_group2(const QElem* q0, const QElem* q1, const T* k, int64_t kst, int D,
+                         float* s0, float* s1) {
+    VO::store(s0, dot_group(q0, k, kst, D));
+    VO::store(s1, dot_group(q1, k, kst, D));
+  }
 };
 
 // ISA TUs may specialize Qk (e.g. AVX512-BF16 dot products) before instantiating.
@@ -149,7 +156,14 @@ struct AttnKernel {
     const int ta = t0 / W * W;
     const int steps = R * ((t1 - ta + W - 1) / W);
     const int per_step = pf.lines() / steps + 1;
-    for (int r = 0; r < R; ++r)
+    int r = 0;
+    for (; r + 1 < R; r += 2)
+      for (int tg = ta; tg < t1; tg += W) {
+        pf.issue(2 * per_step);
+        Qk<VO, T>::dot_group2(qp + r * D, qp + (r + 1) * D, kb + tg * kst, kst, D,
+                              S + r * lds + tg, S + (r + 1) * lds + tg);
+      }
+    for (; r < R; ++r)
       for (int tg = ta; tg < t1; tg += W) {
         pf.issue(per_step);
         VO::store(S + r * lds + tg, Qk<VO, T>::dot_group(qp + r * D, kb + tg * kst, kst, D));
