@@ -33,20 +33,29 @@
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Walks the cache lines of one K block and one V block, issuing a few prefetches at a time.
+// Walks the cache lines of one K block and one V block (the step after next), issuing
+// `per_tick` prefetches at each tick. The q.k and P.V loops tick at an even pace through a
+// step, so the next step's lines are requested at the rate this one's are consumed: per
+// core only a couple of dozen misses can be outstanding, and bursts of prefetches stall on
+// them (a 256-line burst per step ran ~15% slower than the same lines spread out).
 struct PrefetchCursor {
-  const char* k;
-  const char* v;
-  int64_t k_left, v_left;  // bytes
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t k_left = 0, v_left = 0;  // bytes
+  int per_tick = 0;
   int lines() const { return static_cast<int>((k_left + v_left + 63) / 64); }
   void issue(int n) {
     for (; n > 0 && k_left > 0; --n, k += 64, k_left -= 64) prefetch_l2(k);
     for (; n > 0 && v_left > 0; --n, v += 64, v_left -= 64) prefetch_l2(v);
   }
+  void tick() { issue(per_tick); }
+  // Spreads what is left over `ticks` ticks.
+  void pace(int ticks) { per_tick = ticks > 0 ? (lines() + ticks - 1) / ticks : lines(); }
 };
 
 // Scores of one query row against W consecutive keys (lane i = key i); the generic path
 // converts to fp32 and FMAs, then folds the W partial-sum vectors with one reduce_lanes.
+// dot_group and dot_group2 each tick the prefetch cursor once per key row (W ticks).
 template <class VO, class T>
 struct QkGeneric {
   using QElem = float;
@@ -54,7 +63,7 @@ struct QkGeneric {
   static void pack(const T* src, QElem* dst, int D) {
     for (int d = 0; d < D; d += VO::W) VO::store(dst + d, VO::cvt_load(src + d));
   }
-  static V dot_group(const QElem* q, const T* k, int64_t kst, int D) {
+  static V dot(const QElem* q, const T* k, int64_t kst, int D) {
     V a[VO::W];
     for (int i = 0; i < VO::W; ++i) a[i] = VO::zero();
     for (int d = 0; d < D; d += VO::W) {
@@ -64,12 +73,17 @@ struct QkGeneric {
     }
     return VO::reduce_lanes(a);
   }
+  static V dot_group(const QElem* q, const T* k, int64_t kst, int D, PrefetchCursor& pf) {
+    for (int i = 0; i < VO::W; ++i) pf.tick();
+    return dot(q, k, kst, D);
+  }
   // Scores of two query rows against the same W keys (into s0, s1); ISA specializations
   // read each key row once for both.
   static void dot_group2(const QElem* q0, const QElem* q1, const T* k, int64_t kst, int D,
-                         float* s0, float* s1) {
-    VO::store(s0, dot_group(q0, k, kst, D));
-    VO::store(s1, dot_group(q1, k, kst, D));
+                         float* s0, float* s1, PrefetchCursor& pf) {
+    for (int i = 0; i < VO::W; ++i) pf.tick();
+    VO::store(s0, dot(q0, k, kst, D));
+    VO::store(s1, dot(q1, k, kst, D));
   }
 };
 
@@ -78,7 +92,8 @@ template <class VO, class T>
 struct Qk : QkGeneric<VO, T> {};
 
 // acc[r] += P[r] . V over keys [t0, t1) of one block; register-blocked rows x vectors.
-// Specializations may keep acc in a permuted d order; finish_row restores it.
+// Specializations may keep acc in a permuted d order; finish_row restores it. pv ticks the
+// prefetch cursor exactly ticks(R, t0, t1, D) times (once per key of each register tile).
 template <class VO, class T>
 struct PvGeneric {
   using V = typename VO::V;
@@ -88,11 +103,12 @@ struct PvGeneric {
   // acc[0..RB) rows (stride D) += P[0..RB) rows (stride lds) . V[t0..t1)
   template <int RB, int DB>
   static void pv_tile(const float* P, int lds, const T* vb, int64_t vst, int t0, int t1,
-                      float* acc, int D, int d) {
+                      float* acc, int D, int d, PrefetchCursor& pf) {
     V a[RB][DB];
     for (int i = 0; i < RB; ++i)
       for (int j = 0; j < DB; ++j) a[i][j] = VO::load(acc + i * D + d + j * W);
     for (int t = t0; t < t1; ++t) {
+      pf.tick();
       const T* vt = vb + t * vst + d;
       V v[DB];
 #pragma GCC unroll 8
@@ -110,19 +126,26 @@ struct PvGeneric {
 
   template <int RB>
   static void pv_rows(const float* P, int lds, const T* vb, int64_t vst, int t0, int t1,
-                      float* acc, int D) {
+                      float* acc, int D, PrefetchCursor& pf) {
     constexpr int DB = VO::kPvVecs;
     int d = 0;
-    for (; d + DB * W <= D; d += DB * W) pv_tile<RB, DB>(P, lds, vb, vst, t0, t1, acc, D, d);
-    for (; d < D; d += W) pv_tile<RB, 1>(P, lds, vb, vst, t0, t1, acc, D, d);
+    for (; d + DB * W <= D; d += DB * W)
+      pv_tile<RB, DB>(P, lds, vb, vst, t0, t1, acc, D, d, pf);
+    for (; d < D; d += W) pv_tile<RB, 1>(P, lds, vb, vst, t0, t1, acc, D, d, pf);
   }
 
   static void pv(const float* P, int lds, int R, const T* vb, int64_t vst, int t0, int t1,
-                 float* acc, int D) {
+                 float* acc, int D, PrefetchCursor& pf) {
     constexpr int RB = VO::kPvRows;
     int r = 0;
-    for (; r + RB <= R; r += RB) pv_rows<RB>(P + r * lds, lds, vb, vst, t0, t1, acc + r * D, D);
-    for (; r < R; ++r) pv_rows<1>(P + r * lds, lds, vb, vst, t0, t1, acc + r * D, D);
+    for (; r + RB <= R; r += RB)
+      pv_rows<RB>(P + r * lds, lds, vb, vst, t0, t1, acc + r * D, D, pf);
+    for (; r < R; ++r) pv_rows<1>(P + r * lds, lds, vb, vst, t0, t1, acc + r * D, D, pf);
+  }
+  static int ticks(int R, int t0, int t1, int D) {
+    constexpr int span = VO::kPvVecs * W;
+    const int row_tiles = R / VO::kPvRows + R % VO::kPvRows;
+    return row_tiles * (D / span + D % span / W) * (t1 - t0);
   }
 
 };
@@ -154,21 +177,17 @@ struct AttnKernel {
   static void qk(const typename Qk<VO, T>::QElem* qp, int R, const T* kb, int64_t kst, int t0,
                  int t1, float* S, int lds, int D, PrefetchCursor& pf) {
     const int ta = t0 / W * W;
-    const int steps = R * ((t1 - ta + W - 1) / W);
-    const int per_step = pf.lines() / steps + 1;
     int r = 0;
     for (; r + 1 < R; r += 2)
-      for (int tg = ta; tg < t1; tg += W) {
-        pf.issue(2 * per_step);
+      for (int tg = ta; tg < t1; tg += W)
         Qk<VO, T>::dot_group2(qp + r * D, qp + (r + 1) * D, kb + tg * kst, kst, D,
-                              S + r * lds + tg, S + (r + 1) * lds + tg);
-      }
+                              S + r * lds + tg, S + (r + 1) * lds + tg, pf);
     for (; r < R; ++r)
-      for (int tg = ta; tg < t1; tg += W) {
-        pf.issue(per_step);
-        VO::store(S + r * lds + tg, Qk<VO, T>::dot_group(qp + r * D, kb + tg * kst, kst, D));
-      }
-    pf.issue(pf.lines());
+      for (int tg = ta; tg < t1; tg += W)
+        VO::store(S + r * lds + tg, Qk<VO, T>::dot_group(qp + r * D, kb + tg * kst, kst, D, pf));
+  }
+  static int qk_ticks(int R, int t0, int t1) {
+    return (R + 1) / 2 * ((t1 - t0 / W * W + W - 1) / W) * W;
   }
 
   // out[0..D) = acc * f (converted to T); f == 0 writes zeros (never NaN from 0 * inf).
@@ -232,12 +251,14 @@ struct AttnKernel {
       const T* kbase = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
       const T* vbase = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
       // Decode is memory-latency bound: a core's demand misses alone reach about a quarter
-      // of DRAM bandwidth, so software-prefetch K/V ~64 KiB ahead (into L2). Steps are
-      // (block, head) pairs in the order they are computed.
+      // of DRAM bandwidth (the 4 KiB pages of a paged block are scattered, so hardware
+      // prefetchers keep losing the stream), so software-prefetch K/V into L2 ~16 KiB
+      // ahead, evenly over the step (see PrefetchCursor; 16-32 KiB beat 64-128 KiB once
+      // spread). Steps are (block, head) pairs in the order they are computed.
       const int64_t first = ulo / BS, last = uhi / BS;
       const int64_t k_bytes = static_cast<int64_t>(BS) * p.k_stride_tok * sizeof(T);
       const int64_t v_bytes = static_cast<int64_t>(BS) * p.v_stride_tok * sizeof(T);
-      const int64_t dist = std::max<int64_t>(1, (64 * 1024) / (k_bytes + v_bytes));
+      const int64_t dist = std::max<int64_t>(1, (16 * 1024) / (k_bytes + v_bytes));
       const int64_t nsteps = (last - first + 1) * NH;
       auto cursor = [&](int64_t step) {
         const int64_t phys = bt[first + step / NH];
@@ -254,9 +275,8 @@ struct AttnKernel {
       for (int64_t st = 0; st < nsteps; ++st) {
         const int64_t blk = first + st / NH;
         const int h = static_cast<int>(st % NH);
-        // The lines of step st + dist are spread over this step's q.k so the prefetches
-        // never pile up in the load queue.
-        PrefetchCursor pf{nullptr, nullptr, 0, 0};
+        // The lines of step st + dist are spread over this step's q.k and P.V.
+        PrefetchCursor pf;
         if (st + dist < nsteps) pf = cursor(st + dist);
         const int64_t base = blk * BS;
         const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
@@ -265,11 +285,13 @@ struct AttnKernel {
         const T* kb = kbase + phys * p.k_stride_block + h * p.k_stride_head;
         const T* vb = vbase + phys * p.v_stride_block + h * p.v_stride_head;
         const int r0 = h * Rh;
+        pf.pace(qk_ticks(Rh, t0, t1) + Pv<VO, T>::ticks(Rh, t0, t1, D));
         qk(qp + r0 * D, Rh, kb, p.k_stride_tok, t0, t1, S, lds, D, pf);
         for (int r = 0; r < Rh; ++r)
           softmax_row(p, (it.kv_head + h) * G + r % G, S + r * lds, base, t0, t1, lo[r], hi[r],
                       pos[r], m + r0 + r, l + r0 + r, acc + (r0 + r) * D, D);
-        Pv<VO, T>::pv(S, lds, Rh, vb, p.v_stride_tok, t0, t1, acc + r0 * D, D);
+        Pv<VO, T>::pv(S, lds, Rh, vb, p.v_stride_tok, t0, t1, acc + r0 * D, D, pf);
+        pf.issue(pf.lines());
       }
     }
 

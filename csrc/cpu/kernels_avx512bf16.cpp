@@ -35,7 +35,7 @@ struct Qk<VecAvx512, bf16_t> {
                            : _mm512_loadu_si512(row + 32 * c);
   }
   template <int NC, bool TAIL>
-  static __m512 group(const QElem* q, const bf16_t* k, int64_t kst) {
+  static __m512 group(const QElem* q, const bf16_t* k, int64_t kst, PrefetchCursor& pf) {
     constexpr int NQ = NC + (TAIL ? 1 : 0);
     __m512bh qv[NQ];
     for (int c = 0; c < NQ; ++c) qv[c] = (__m512bh)chunk<NC, TAIL>(q, c);
@@ -43,6 +43,7 @@ struct Qk<VecAvx512, bf16_t> {
     const bf16_t* kr = k;
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i, kr += kst) {
+      pf.tick();
       __m512 acc = _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int c = 0; c < NQ; ++c) {
@@ -58,7 +59,7 @@ struct Qk<VecAvx512, bf16_t> {
   // (row, key) in lane row * 8 + key; the two halves are regrouped into one vector per row.
   template <int NC, bool TAIL>
   static void group2(const QElem* q0, const QElem* q1, const bf16_t* k, int64_t kst, float* s0,
-                     float* s1) {
+                     float* s1, PrefetchCursor& pf) {
     constexpr int NQ = NC + (TAIL ? 1 : 0);
     __m512bh qa[NQ], qb[NQ];
     for (int c = 0; c < NQ; ++c) {
@@ -71,6 +72,7 @@ struct Qk<VecAvx512, bf16_t> {
       __m512 a[16];
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i, kr += kst) {
+        pf.tick();
         __m512 x = _mm512_setzero_ps(), y = _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int c = 0; c < NQ; ++c) {
@@ -89,31 +91,33 @@ struct Qk<VecAvx512, bf16_t> {
   // Up to 128 dims both rows' q fit in registers next to the accumulators; beyond that
   // two single-row passes spill less.
   static void dot_group2(const QElem* q0, const QElem* q1, const bf16_t* k, int64_t kst, int D,
-                         float* s0, float* s1) {
+                         float* s0, float* s1, PrefetchCursor& pf) {
     switch (D) {
-      case 32: return group2<1, false>(q0, q1, k, kst, s0, s1);
-      case 64: return group2<2, false>(q0, q1, k, kst, s0, s1);
-      case 80: return group2<2, true>(q0, q1, k, kst, s0, s1);
-      case 96: return group2<3, false>(q0, q1, k, kst, s0, s1);
-      case 112: return group2<3, true>(q0, q1, k, kst, s0, s1);
-      case 128: return group2<4, false>(q0, q1, k, kst, s0, s1);
+      case 32: return group2<1, false>(q0, q1, k, kst, s0, s1, pf);
+      case 64: return group2<2, false>(q0, q1, k, kst, s0, s1, pf);
+      case 80: return group2<2, true>(q0, q1, k, kst, s0, s1, pf);
+      case 96: return group2<3, false>(q0, q1, k, kst, s0, s1, pf);
+      case 112: return group2<3, true>(q0, q1, k, kst, s0, s1, pf);
+      case 128: return group2<4, false>(q0, q1, k, kst, s0, s1, pf);
       default:
-        _mm512_storeu_ps(s0, dot_group(q0, k, kst, D));
-        _mm512_storeu_ps(s1, dot_group(q1, k, kst, D));
+        PrefetchCursor none;  // dot_group2 ticks 16 times in all, like one dot_group
+        _mm512_storeu_ps(s0, dot_group(q0, k, kst, D, pf));
+        _mm512_storeu_ps(s1, dot_group(q1, k, kst, D, none));
     }
   }
-  static __m512 dot_group(const QElem* q, const bf16_t* k, int64_t kst, int D) {
+  static __m512 dot_group(const QElem* q, const bf16_t* k, int64_t kst, int D,
+                          PrefetchCursor& pf) {
     switch (D) {  // the supported head sizes (binding_utils.h kSupportedHeadSizes)
-      case 32: return group<1, false>(q, k, kst);
-      case 64: return group<2, false>(q, k, kst);
-      case 80: return group<2, true>(q, k, kst);
-      case 96: return group<3, false>(q, k, kst);
-      case 112: return group<3, true>(q, k, kst);
-      case 128: return group<4, false>(q, k, kst);
-      case 160: return group<5, false>(q, k, kst);
-      case 192: return group<6, false>(q, k, kst);
-      case 224: return group<7, false>(q, k, kst);
-      default: return group<8, false>(q, k, kst);
+      case 32: return group<1, false>(q, k, kst, pf);
+      case 64: return group<2, false>(q, k, kst, pf);
+      case 80: return group<2, true>(q, k, kst, pf);
+      case 96: return group<3, false>(q, k, kst, pf);
+      case 112: return group<3, true>(q, k, kst, pf);
+      case 128: return group<4, false>(q, k, kst, pf);
+      case 160: return group<5, false>(q, k, kst, pf);
+      case 192: return group<6, false>(q, k, kst, pf);
+      case 224: return group<7, false>(q, k, kst, pf);
+      default: return group<8, false>(q, k, kst, pf);
     }
   }
 };
@@ -142,12 +146,13 @@ struct Pv<VecAvx512, bf16_t> {
 
   template <int RB, int NC>
   static void tile(const uint16_t* pb, int ldp, const bf16_t* vb, int64_t vst, int t0, int t1,
-                   float* acc, int D, int c0) {
+                   float* acc, int D, int c0, PrefetchCursor& pf) {
     __m512 a[RB][2 * NC];
     for (int i = 0; i < RB; ++i)
       for (int j = 0; j < 2 * NC; ++j) a[i][j] = _mm512_loadu_ps(acc + i * D + c0 + 16 * j);
     int t = t0;
     for (; t + 1 < t1; t += 2) {
+      pf.tick();
       __m512i v[2 * NC];
 #pragma GCC unroll 4
       for (int j = 0; j < NC; ++j) {
@@ -166,6 +171,7 @@ struct Pv<VecAvx512, bf16_t> {
       }
     }
     if (t < t1) {  // odd tail: pair with zeros (never read the key past t1: may be NaN)
+      pf.tick();
       __m512i v[2 * NC];
       const __m512i z = _mm512_setzero_si512();
       for (int j = 0; j < NC; ++j) {
@@ -184,15 +190,20 @@ struct Pv<VecAvx512, bf16_t> {
 
   template <int RB>
   static void rows(const uint16_t* pb, int ldp, const bf16_t* vb, int64_t vst, int t0, int t1,
-                   float* acc, int D) {
+                   float* acc, int D, PrefetchCursor& pf) {
     int c = 0;
-    for (; c + 64 <= D; c += 64) tile<RB, 2>(pb, ldp, vb, vst, t0, t1, acc, D, c);
-    if (c < D) tile<RB, 1>(pb, ldp, vb, vst, t0, t1, acc, D, c);
+    for (; c + 64 <= D; c += 64) tile<RB, 2>(pb, ldp, vb, vst, t0, t1, acc, D, c, pf);
+    if (c < D) tile<RB, 1>(pb, ldp, vb, vst, t0, t1, acc, D, c, pf);
+  }
+
+  static int ticks(int R, int t0, int t1, int D) {
+    if (D % 32 != 0) return Base::ticks(R, t0, t1, D);
+    return (R + kMaxRows - 1) / kMaxRows * ((D + 63) / 64) * ((t1 - t0 + 1) / 2);
   }
 
   static void pv(const float* P, int lds, int R, const bf16_t* vb, int64_t vst, int t0, int t1,
-                 float* acc, int D) {
-    if (D % 32 != 0) return Base::pv(P, lds, R, vb, vst, t0, t1, acc, D);
+                 float* acc, int D, PrefetchCursor& pf) {
+    if (D % 32 != 0) return Base::pv(P, lds, R, vb, vst, t0, t1, acc, D, pf);
     // P rows -> bf16 (round to nearest even), 4 rows at a time on the stack.
     alignas(64) uint16_t pb[kMaxRows * (256 + 32)];
     const int ldp = 256 + 32;
@@ -206,10 +217,10 @@ struct Pv<VecAvx512, bf16_t> {
       }
       float* a = acc + r0 * D;
       switch (nr) {
-        case 4: rows<4>(pb, ldp, vb, vst, t0, t1, a, D); break;
-        case 3: rows<3>(pb, ldp, vb, vst, t0, t1, a, D); break;
-        case 2: rows<2>(pb, ldp, vb, vst, t0, t1, a, D); break;
-        default: rows<1>(pb, ldp, vb, vst, t0, t1, a, D); break;
+        case 4: rows<4>(pb, ldp, vb, vst, t0, t1, a, D, pf); break;
+        case 3: rows<3>(pb, ldp, vb, vst, t0, t1, a, D, pf); break;
+        case 2: rows<2>(pb, ldp, vb, vst, t0, t1, a, D, pf); break;
+        default: rows<1>(pb, ldp, vb, vst, t0, t1, a, D, pf); break;
       }
     }
   }
