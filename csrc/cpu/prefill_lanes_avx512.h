@@ -28,12 +28,25 @@ struct LanesPrefill {
     std::memcpy(&x, p, 4);
     return x;
   }
+  // acc + q * {1to16} broadcast of *x, as one instruction: left to itself GCC emits a
+  // separate vbroadcastss per key element, and those broadcasts took ~30% of fp32 prefill's
+  // cycles (perf) while the FMA units waited.
+  static __m512 fma_bcast(__m512 acc, __m512 q, const float* x) {
+    asm("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*x));
+    return acc;
+  }
+  // Same with the address as base[i] in one base + index operand (GCC would add an lea per
+  // FMA for "m"(base[i])). The cache is read-only here, so no memory operand is declared.
+  static __m512 fma_bcast(__m512 acc, __m512 q, const float* base, int64_t i) {
+    asm("vfmadd231ps (%2,%3,4)%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "r"(base), "r"(i));
+    return acc;
+  }
   // acc += q * broadcast(k element at kp): one d pair (bf16) or one d (fp32).
   static __m512 mac(__m512 acc, __m512 q, const T* kp) {
     if constexpr (kBf16)
       return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)_mm512_set1_epi32(pair_at(kp)));
     else
-      return _mm512_fmadd_ps(q, _mm512_set1_ps(*kp), acc);
+      return fma_bcast(acc, q, kp);
   }
 
   // In-register transpose of a 16 x 16 matrix of 32-bit elements (r[i] = row i).
@@ -70,13 +83,22 @@ struct LanesPrefill {
       __m512 a[KT][NG];
       for (int k = 0; k < KT; ++k)
         for (int g = 0; g < NG; ++g) a[k][g] = _mm512_setzero_ps();
-      const T* kr = kb + t * kst;
-      for (int i = 0; i < D / QS; ++i) {
+      // One pointer per key row, indexed by the d loop counter: keeps every operand
+      // address a single base + index form (no per-FMA address arithmetic).
+      const T* kr[KT];
+      for (int k = 0; k < KT; ++k) kr[k] = kb + (t + k) * kst;
+      const float* qi = qp + g0 * 16;
+      for (int i = 0; i < D / QS; ++i, qi += Rp) {
         __m512 q[NG];
-        for (int g = 0; g < NG; ++g) q[g] = _mm512_loadu_ps(qp + i * Rp + (g0 + g) * 16);
+        for (int g = 0; g < NG; ++g) q[g] = _mm512_loadu_ps(qi + g * 16);
 #pragma GCC unroll 8
         for (int k = 0; k < KT; ++k)
-          for (int g = 0; g < NG; ++g) a[k][g] = mac(a[k][g], q[g], kr + k * kst + QS * i);
+          for (int g = 0; g < NG; ++g) {
+            if constexpr (kBf16)
+              a[k][g] = mac(a[k][g], q[g], kr[k] + QS * i);
+            else
+              a[k][g] = fma_bcast(a[k][g], q[g], kr[k], i);
+          }
       }
       for (int k = 0; k < KT; ++k)
         for (int g = 0; g < NG; ++g) _mm512_storeu_ps(st + (t + k) * Rp + (g0 + g) * 16, a[k][g]);
@@ -92,12 +114,14 @@ struct LanesPrefill {
       __m512 a[DT][NG];
       for (int k = 0; k < DT; ++k)
         for (int g = 0; g < NG; ++g) a[k][g] = _mm512_loadu_ps(ot + (d0 + k) * Rp + (g0 + g) * 16);
-      for (int j = j0; j < j1; ++j) {
+      const float* pj = P + j0 * Rp + g0 * 16;
+      const T* vj = vb + j0 * vst + QS * d0;
+      for (int j = j0; j < j1; ++j, pj += Rp, vj += vst) {
         __m512 pr[NG];
-        for (int g = 0; g < NG; ++g) pr[g] = _mm512_loadu_ps(P + j * Rp + (g0 + g) * 16);
+        for (int g = 0; g < NG; ++g) pr[g] = _mm512_loadu_ps(pj + g * 16);
 #pragma GCC unroll 8
         for (int k = 0; k < DT; ++k)
-          for (int g = 0; g < NG; ++g) a[k][g] = mac(a[k][g], pr[g], vb + j * vst + QS * (d0 + k));
+          for (int g = 0; g < NG; ++g) a[k][g] = mac(a[k][g], pr[g], vj + QS * k);
       }
       for (int k = 0; k < DT; ++k)
         for (int g = 0; g < NG; ++g) _mm512_storeu_ps(ot + (d0 + k) * Rp + (g0 + g) * 16, a[k][g]);
