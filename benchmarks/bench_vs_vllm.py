@@ -10,7 +10,9 @@ Protocol (issue 5): ``--threads`` threads (2), 32 query / 8 KV heads, head size 
 block 32; every call reads another randomly placed copy of the KV (the copies together
 exceed the LLC several times, so decode reads come from DRAM); median of ``--repeat``
 (>= 9) timed calls; all contenders in one process, on the same inputs, scenario by
-scenario. Before any timing, every contender's output is checked against
+scenario, their calls alternating (pagedattn, vLLM, pagedattn, ...; ``--sequential``
+times all of one first) so that load from other tenants of a shared VM, which comes in
+bursts, hits both alike. Before any timing, every contender's output is checked against
 ``pagedattn.ops.reference`` (a WRONG contender is not timed and its rows FAIL).
 
 Rows and targets:
@@ -369,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "$PAGEDATTN_VLLM_PATH, site-packages)")
     p.add_argument("--remeasure", action="store_true",
                    help="re-run the machine's bandwidth/matmul probes instead of the cache")
+    p.add_argument("--sequential", action="store_true",
+                   help="time pagedattn's repeats, then vLLM's (default: alternate them, so "
+                        "a burst of load from other tenants of a shared machine hits both)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -408,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         opts = BenchOptions(contenders=contenders, threads=args.threads, repeat=args.repeat,
                             budget_s=args.budget, remeasure=args.remeasure,
                             progress=not args.no_progress, probe_bytes=probes["probe_bytes"],
-                            matmul_size=probes["matmul_size"])
+                            matmul_size=probes["matmul_size"],
+                            interleave=not args.sequential)
         result = run_bench(opts, scenarios=scenarios)
     finally:
         if one_thread is not None:
@@ -424,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         print("pagedattn extension: not built (reference fallback)")
     print(f"issue 5: pagedattn vs vLLM CPU kernels -- {args.threads} threads, "
           f"{geometry.heads}/{geometry.kv_heads} heads, head {geometry.head_size}, "
-          f"block {geometry.block_size}, median of {args.repeat}")
+          f"block {geometry.block_size}, median of {args.repeat}, "
+          f"{'one contender after the other' if args.sequential else 'calls alternating'}")
     print(render(rows))
     print()
     print(summary_line(rows))

@@ -240,6 +240,52 @@ def test_a_crashing_contender_is_an_error_not_a_crash(monkeypatch, tmp_path, cap
     assert "ERROR" in out.out and "RuntimeError: kernel exploded" in out.out
 
 
+class _Recording(_OffByOne):
+    """Correct (reference) output; logs (name, copy) of every call."""
+
+    kinds = ("decode",)
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def prepare(self, inputs):
+        out = torch.empty_like(inputs.query)
+
+        def run(copy):
+            self.log.append((self.name, copy))
+            reference.cpu_attention_with_kv_cache(
+                inputs.query, inputs.key_cache, inputs.value_cache, out,
+                inputs.query_start_loc, inputs.seq_lens, inputs.scale, True, None, (-1, -1),
+                inputs.block_tables[copy], 0.0)
+            return out
+        return Prepared(run)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_interleave_alternates_the_timed_calls_of_contenders(interleave, fake_limits):
+    log = []
+    for name in ("rec-a", "rec-b"):
+        contenders_mod.register(_Recording(name, log))
+    try:
+        opts = runner.BenchOptions(suite="tiny", scenarios=["decode"], repeat=3,
+                                   contenders=["rec-a", "rec-b"], budget_s=30.0,
+                                   progress=False, interleave=interleave)
+        result = runner.run_bench(opts, log=lambda *a: None)
+    finally:
+        for name in ("rec-a", "rec-b"):
+            contenders_mod.unregister(name)
+    (scen,) = result.scenarios
+    copies = scen.copies
+    assert [len(scen.cells[n].times_s) for n in ("rec-a", "rec-b")] == [3, 3]
+    assert scen.cells["rec-a"].status == scen.cells["rec-b"].status == "ok"
+    timed = [(n, (2 + i) % copies) for i in range(3) for n in ("rec-a", "rec-b")]
+    if interleave:  # warm-ups (copy 1) of both, then A B A B A B on the same copies
+        assert log[-8:] == [("rec-a", 1 % copies), ("rec-b", 1 % copies), *timed]
+    else:
+        assert log[-4:] == [("rec-b", 1 % copies), *[t for t in timed if t[0] == "rec-b"]]
+    assert len(scen.stream_times_s) == 3 * 3  # pagedattn + rec-a + rec-b, after each call
+
+
 # ------------------------------------------------------------------ probes + full runs
 
 

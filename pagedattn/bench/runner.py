@@ -51,6 +51,10 @@ class BenchOptions:
     progress: bool = True
     probe_bytes: int = 256 << 20
     matmul_size: int = 1536
+    #: time the contenders of a scenario round-robin (A B A B ...) instead of one after the
+    #: other, so a burst of load from other tenants hits all of them alike; every
+    #: contender's prepared state is then held at once (more memory)
+    interleave: bool = False
     #: the suite after the ``scenarios`` filter (resolved at construction)
     selected: list[Scenario] = field(init=False, repr=False)
 
@@ -283,13 +287,14 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
 
 
-def _run_cell(contender: Contender, inputs: ScenarioInputs, checker: _Checker,
-              opts: BenchOptions, stream) -> tuple[Cell, list[float]]:
-    cell = Cell(contender.name, "ok")
+def _prepare_checked(contender: Contender, inputs: ScenarioInputs, checker: _Checker
+                     ) -> tuple[Cell, Prepared | None]:
+    """The contender's prepared call, checked against the reference (None: not timeable,
+    the cell says why)."""
     reason = contender.unsupported_reason(inputs.scenario)
     if reason:
-        return Cell(contender.name, "unsupported", reason), []
-    prepared = None
+        return Cell(contender.name, "unsupported", reason), None
+    cell = Cell(contender.name, "ok")
     try:
         prepared = contender.prepare(inputs)
         cell.note = prepared.note
@@ -299,7 +304,71 @@ def _run_cell(contender: Contender, inputs: ScenarioInputs, checker: _Checker,
             if not ok:
                 cell.status = "wrong"
                 cell.reason = f"max |diff| {err:.3g} > tolerance ({what})"
-                return cell, []
+                return cell, None
+        return cell, prepared
+    except Exception as exc:
+        return Cell(contender.name, "error", _one_line(exc), note=cell.note), None
+
+
+def _run_interleaved(contenders: dict[str, Contender], inputs: ScenarioInputs,
+                     checker: _Checker, opts: BenchOptions, stream, progress
+                     ) -> tuple[dict[str, Cell], list[float]]:
+    """Like :func:`_run_cell` for every contender, but the timed calls go round-robin:
+    repeat ``i`` of every contender runs before repeat ``i + 1`` of any, each on copy
+    ``(2 + i) % copies`` (so all of them read the same cold KV in turn)."""
+    cells: dict[str, Cell] = {}
+    ready: dict[str, Prepared] = {}
+    for name, contender in contenders.items():
+        progress.step(f"{inputs.scenario.name} · {name}")
+        cells[name], prepared = _prepare_checked(contender, inputs, checker)
+        if prepared is not None:
+            ready[name] = prepared
+    copies = inputs.copies
+    rounds: dict[str, int] = {}
+    for name, prepared in list(ready.items()):
+        try:
+            t0 = time.perf_counter()
+            prepared.run(1 % copies)
+            warm = time.perf_counter() - t0
+        except Exception as exc:
+            cells[name] = Cell(name, "error", _one_line(exc), note=cells[name].note)
+            del ready[name]
+            continue
+        if warm >= opts.budget_s:
+            cells[name].times_s, cells[name].budget_limited = [warm], True
+            del ready[name]
+            continue
+        rounds[name] = max(1, min(opts.repeat, int(opts.budget_s / max(warm, 1e-9))))
+        cells[name].times_s = []
+        cells[name].budget_limited = rounds[name] < opts.repeat
+    stream_times: list[float] = []
+    for i in range(max(rounds.values(), default=0)):
+        copy = (2 + i) % copies
+        for name, prepared in ready.items():
+            if i >= rounds[name] or cells[name].status != "ok":
+                continue
+            try:
+                t0 = time.perf_counter()
+                prepared.run(copy)
+                cells[name].times_s.append(time.perf_counter() - t0)
+            except Exception as exc:
+                cells[name] = Cell(name, "error", _one_line(exc), note=cells[name].note)
+                continue
+            if stream is not None:
+                t0 = time.perf_counter()
+                stream(copy)
+                stream_times.append(time.perf_counter() - t0)
+    ready.clear()
+    gc.collect()
+    return cells, stream_times
+
+
+def _run_cell(contender: Contender, inputs: ScenarioInputs, checker: _Checker,
+              opts: BenchOptions, stream) -> tuple[Cell, list[float]]:
+    cell, prepared = _prepare_checked(contender, inputs, checker)
+    if prepared is None:
+        return cell, []
+    try:
         times, stream_times, limited = _time_cell(
             prepared, inputs.copies, opts.repeat, opts.budget_s, stream)
         cell.times_s, cell.budget_limited = times, limited
@@ -382,7 +451,18 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
                 views[copy].sum()
         cells: dict[str, Cell] = {}
         stream_times: list[float] = []
-        for name, contender in contenders.items():
+        if opts.interleave:
+            available = {n: c for n, c in contenders.items() if availability[n]["available"]}
+            t0 = time.perf_counter()
+            cells, stream_times = _run_interleaved(available, inputs, checker, opts, stream,
+                                                   progress)
+            for name in contenders:  # table order; wall time is shared
+                if name not in cells:
+                    progress.step(f"{s.name} · {name}")
+                    cells[name] = Cell(name, "unavailable", availability[name]["reason"])
+                cells[name].wall_s = time.perf_counter() - t0
+            cells = {n: cells[n] for n in contenders}
+        for name, contender in contenders.items() if not opts.interleave else ():
             progress.step(f"{s.name} · {name}")
             if not availability[name]["available"]:
                 cells[name] = Cell(name, "unavailable", availability[name]["reason"])
