@@ -13,27 +13,38 @@
 
 // Where the time goes (Zen 4 EPYC, 2 cores, bf16 32q/8kv heads x 128, block 32; perf record
 // + side-by-side runs against vLLM 0.32's CPU kernels and a torch.sum stream probe):
-// - Decode is DRAM bound. B8/ctx2048: 2 threads 22.5 GB/s vs stream 31 GB/s (1 thread 12.8
-//   vs 20.5). With the KV L3-resident one thread reaches ~17-20 GB/s: perf splits its time
-//   ~30% prefetch issue (stalls waiting for miss buffers), ~28% q.k (vdpbf16ps + lane
-//   reductions), ~22% P.V, ~12% softmax. Reading each block as one contiguous run over all
-//   kv heads (WorkItem::kv_heads) was worth +15-25% over per-head 8 KiB pieces; prefetch
-//   distance 32-128 KiB and prefetcht1 vs t0/t2/nta or every-other-line made no gain.
+// - Decode is DRAM bound once it is lean. B8/ctx2048: 2 threads ~23-26 GB/s vs stream
+//   ~27-31 GB/s (t/stream 1.1-1.25; 1 thread ~13-14.5 vs ~17-20). What got it there:
+//   * q.k was a third of the compute: GCC 12 bounced every key chunk cast to __m512bh
+//     through a stack slot, and each query row re-read the keys. Loading chunks as values
+//     and scoring two rows per key pass took hot-cache decode from ~17.5 to ~23.5 GB/s per
+//     core; q.k and P.V vdpbf16ps are now about equal shares.
+//   * With KV from DRAM, ~40% of the cycles sat on prefetcht1 waiting for a miss buffer:
+//     a core keeps only a couple of dozen misses in flight, and the old per-dot-group bursts
+//     (33-66 lines) stalled on them. Ticking the next step's lines evenly through q.k and
+//     P.V, 16 KiB ahead (PrefetchCursor), was worth +15% on 1 and 2 threads. Hardware
+//     prefetchers alone lose the stream at every scattered 4 KiB page (no sw prefetch: -30%).
+//   * Reading each block as one contiguous run over all kv heads (WorkItem::kv_heads):
+//     +15-25% over per-head 8 KiB pieces.
+//   Left: softmax (~10%) and reductions; a 1-thread decode now streams ~0.75 of DRAM speed,
+//   so 2 threads cannot scale 1.8x on a VM whose torch.sum itself scales ~1.5x.
 // - Prefill items (>= 16 rows of one kv head) on AVX-512 take PrefillItem, the rows-in-lanes
 //   kernel of prefill_lanes_avx512.h (bf16 and fp32): this generic path spent its
 //   non-dot-product time on q.k lane reductions and per-row softmax bookkeeping and reached
 //   ~237 GFLOP/s bf16 / ~150 fp32 (1x2048 causal, 2 threads). Rows in lanes: bf16 1x2048
 //   ~310-320 GFLOP/s (~75% of the ~420 vdpbf16ps peak), 4x512 ~290, mixed (16 decodes @2048
 //   + a 512-token chunk) ~300; vLLM 0.32 on the same inputs 150-160, i.e. ~2.0x. fp32
-//   1x2048 ~185-190 (~92% of the ~200 FMA peak), 4x512 ~170; vLLM 177/155-165, ~1.03-1.08x.
-//   perf: its q.k and P.V register tiles run at FMA / vdpbf16ps peak; the rest is softmax
+//   1x2048 ~185, 4x512 ~170 (a core's FMA peak is ~116 GFLOP/s; vLLM 177-182 / 155-165,
+//   i.e. ~1.03-1.06x). perf: fp32 spent ~30% on a separate vbroadcastss per key/value
+//   element (then an lea per FMA): embedded {1to16} broadcasts with base+index operands
+//   (fma_bcast) lifted the FMA share of cycles from ~44% to ~79%. The rest is softmax
 //   (exp), cold Q reads and output writes (~7% + ~3% at 4x512 fp32). Tried without a
 //   measurable gain: a 12-op exp with vscalefps, 12-row P.V tiles (fp32 ~5% slower),
 //   prefetching the next item's Q rows / this item's output lines from the scheduler.
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Walks the cache lines of one K block and one V block (the step after next), issuing
+// Walks the cache lines of one K block and one V block (a step ahead), issuing
 // `per_tick` prefetches at each tick. The q.k and P.V loops tick at an even pace through a
 // step, so the next step's lines are requested at the rate this one's are consumed: per
 // core only a couple of dozen misses can be outstanding, and bursts of prefetches stall on
