@@ -171,6 +171,14 @@ def test_validator_rejects_malformed_documents(tmp_path, capsys, fake_limits):
 # ------------------------------------------------------------------ WRONG contenders
 
 
+def _reference_into(out, inputs, copy):
+    """The reference attention of copy ``copy`` of the batch, written into ``out``."""
+    reference.cpu_attention_with_kv_cache(
+        inputs.query, inputs.key_cache, inputs.value_cache, out, inputs.query_start_loc,
+        inputs.seq_lens, inputs.scale, True, None, (-1, -1), inputs.block_tables[copy], 0.0)
+    return out
+
+
 class _OffByOne(Contender):
     """Reference output plus a bias: must be flagged WRONG, never timed or ranked."""
 
@@ -188,12 +196,7 @@ class _OffByOne(Contender):
         out = torch.empty_like(inputs.query)
 
         def run(copy):
-            reference.cpu_attention_with_kv_cache(
-                inputs.query, inputs.key_cache, inputs.value_cache, out,
-                inputs.query_start_loc, inputs.seq_lens, inputs.scale, True, None, (-1, -1),
-                inputs.block_tables[copy], 0.0)
-            out.add_(0.25)
-            return out
+            return _reference_into(out, inputs, copy).add_(0.25)
         return Prepared(run)
 
 
@@ -253,11 +256,7 @@ class _Recording(_OffByOne):
 
         def run(copy):
             self.log.append((self.name, copy))
-            reference.cpu_attention_with_kv_cache(
-                inputs.query, inputs.key_cache, inputs.value_cache, out,
-                inputs.query_start_loc, inputs.seq_lens, inputs.scale, True, None, (-1, -1),
-                inputs.block_tables[copy], 0.0)
-            return out
+            return _reference_into(out, inputs, copy)
         return Prepared(run)
 
 

@@ -260,15 +260,24 @@ class _Checker:
 # ---------------------------------------------------------------------------- timing
 
 
-def _time_cell(prepared: Prepared, copies: int, repeat: int, budget_s: float,
-               stream=None) -> tuple[list[float], list[float], bool]:
-    """Timed samples of ``prepared.run`` (and interleaved stream samples)."""
+def _warm_up(prepared: Prepared, copies: int, repeat: int, budget_s: float
+             ) -> tuple[float, int]:
+    """Runs the warm-up call (copy 1); returns its time and how many timed repeats fit the
+    budget (0: the warm-up alone exceeded it and is the only sample)."""
     t0 = time.perf_counter()
     prepared.run(1 % copies)
     warm = time.perf_counter() - t0
     if warm >= budget_s:
+        return warm, 0
+    return warm, max(1, min(repeat, int(budget_s / max(warm, 1e-9))))
+
+
+def _time_cell(prepared: Prepared, copies: int, repeat: int, budget_s: float,
+               stream=None) -> tuple[list[float], list[float], bool]:
+    """Timed samples of ``prepared.run`` (and interleaved stream samples)."""
+    warm, n = _warm_up(prepared, copies, repeat, budget_s)
+    if n == 0:
         return [warm], [], True
-    n = max(1, min(repeat, int(budget_s / max(warm, 1e-9))))
     times, stream_times = [], []
     for i in range(n):
         copy = (2 + i) % copies
@@ -327,18 +336,16 @@ def _run_interleaved(contenders: dict[str, Contender], inputs: ScenarioInputs,
     rounds: dict[str, int] = {}
     for name, prepared in list(ready.items()):
         try:
-            t0 = time.perf_counter()
-            prepared.run(1 % copies)
-            warm = time.perf_counter() - t0
+            warm, n = _warm_up(prepared, copies, opts.repeat, opts.budget_s)
         except Exception as exc:
             cells[name] = Cell(name, "error", _one_line(exc), note=cells[name].note)
             del ready[name]
             continue
-        if warm >= opts.budget_s:
+        if n == 0:
             cells[name].times_s, cells[name].budget_limited = [warm], True
             del ready[name]
             continue
-        rounds[name] = max(1, min(opts.repeat, int(opts.budget_s / max(warm, 1e-9))))
+        rounds[name] = n
         cells[name].times_s = []
         cells[name].budget_limited = rounds[name] < opts.repeat
     stream_times: list[float] = []
