@@ -356,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "this count with 1 thread")
     p.add_argument("--repeat", type=int, default=9,
                    help="timed calls per cell, median reported (issue 5 asks for >= 9)")
+    p.add_argument("--warmup", type=float, default=None, metavar="SECONDS",
+                   help="untimed calls per scenario x contender for at least this long before "
+                        "the timed ones (default 0.1; the first calls of a process run slow)")
     p.add_argument("--budget", type=float, default=FULL["budget_s"], metavar="SECONDS",
                    help="time budget per scenario x contender; slower cells get fewer repeats "
                         "(default %(default)s)")
@@ -388,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error(f"--warmup must be >= 0 seconds, got {args.warmup}")
     if args.vllm_path is not None:
         vllm_contender.set_search_path(args.vllm_path)
     geometry = GEOMETRIES["tiny" if args.tiny else "quick" if args.quick else "full"]
@@ -414,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                             budget_s=args.budget, remeasure=args.remeasure,
                             progress=not args.no_progress, probe_bytes=probes["probe_bytes"],
                             matmul_size=probes["matmul_size"],
-                            interleave=not args.sequential)
+                            interleave=not args.sequential,
+                            warmup_s=(args.warmup if args.warmup is not None
+                                      else probes.get("warmup_s", 0.1)))
         result = run_bench(opts, scenarios=scenarios)
     finally:
         if one_thread is not None:

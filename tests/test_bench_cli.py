@@ -66,6 +66,7 @@ def _run(argv, capsys):
      ["pagedattn", "reference", "sdpa-contiguous", "gather+sdpa", "flex", "vllm"]),
     (["--repeat", "0"], "repeat must be >= 1, got 0", []),
     (["--threads", "0"], "threads must be >= 1, got 0", []),
+    (["--warmup", "-1"], "warmup_s must be >= 0, got -1.0", []),
     (["--vllm-path", "/no/such/dir"], "--vllm-path '/no/such/dir' does not exist", []),
 ])
 def test_bad_arguments_exit_2_with_a_clear_message(argv, needle, listed, capsys):
@@ -244,45 +245,71 @@ def test_a_crashing_contender_is_an_error_not_a_crash(monkeypatch, tmp_path, cap
 
 
 class _Recording(_OffByOne):
-    """Correct (reference) output; logs (name, copy) of every call."""
+    """Correct (reference) output; logs (name, copy, start, end) of every call."""
 
     kinds = ("decode",)
 
-    def __init__(self, name, log):
-        self.name, self.log = name, log
+    def __init__(self, name, log, sleep_s=0.0):
+        self.name, self.log, self.sleep_s = name, log, sleep_s
 
     def prepare(self, inputs):
         out = torch.empty_like(inputs.query)
 
         def run(copy):
-            self.log.append((self.name, copy))
-            return _reference_into(out, inputs, copy)
+            start = time.perf_counter()
+            time.sleep(self.sleep_s)
+            _reference_into(out, inputs, copy)
+            self.log.append((self.name, copy, start, time.perf_counter()))
+            return out
         return Prepared(run)
 
 
-@pytest.mark.parametrize("interleave", [True, False])
-def test_interleave_alternates_the_timed_calls_of_contenders(interleave, fake_limits):
-    log = []
+def _recorded_run(log, *, interleave, warmup_s, sleep_s=0.0, repeat=3):
     for name in ("rec-a", "rec-b"):
-        contenders_mod.register(_Recording(name, log))
+        contenders_mod.register(_Recording(name, log, sleep_s))
     try:
-        opts = runner.BenchOptions(suite="tiny", scenarios=["decode"], repeat=3,
+        opts = runner.BenchOptions(suite="tiny", scenarios=["decode"], repeat=repeat,
                                    contenders=["rec-a", "rec-b"], budget_s=30.0,
-                                   progress=False, interleave=interleave)
+                                   progress=False, interleave=interleave, warmup_s=warmup_s)
         result = runner.run_bench(opts, log=lambda *a: None)
     finally:
         for name in ("rec-a", "rec-b"):
             contenders_mod.unregister(name)
     (scen,) = result.scenarios
+    return scen
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_every_call_reads_the_least_recently_read_copy(interleave, fake_limits):
+    """Copy 0 is each contender's check; every other call, whichever contender makes it,
+    takes the next copy of one rotation, so no call reads KV the previous call left in
+    the LLC. Interleaved, the timed calls alternate pagedattn, rec-a, rec-b."""
+    log = []
+    scen = _recorded_run(log, interleave=interleave, warmup_s=0.0)
     copies = scen.copies
     assert [len(scen.cells[n].times_s) for n in ("rec-a", "rec-b")] == [3, 3]
     assert scen.cells["rec-a"].status == scen.cells["rec-b"].status == "ok"
-    timed = [(n, (2 + i) % copies) for i in range(3) for n in ("rec-a", "rec-b")]
-    if interleave:  # warm-ups (copy 1) of both, then A B A B A B on the same copies
-        assert log[-8:] == [("rec-a", 1 % copies), ("rec-b", 1 % copies), *timed]
-    else:
-        assert log[-4:] == [("rec-b", 1 % copies), *[t for t in timed if t[0] == "rec-b"]]
+    # Calls in order, pagedattn (not logged) first: one warm-up each (warmup_s=0), then 3
+    # timed; n = the call's place in the rotation.
+    if interleave:  # checks; warm-ups p1 a2 b3; rounds p4 a5 b6, p7 a8 b9, p10 a11 b12
+        want = [("rec-a", 0), ("rec-b", 0), ("rec-a", 2), ("rec-b", 3),
+                *[(name, 3 * i + k) for i in (1, 2, 3) for k, name in ((2, "rec-a"), (3, "rec-b"))]]
+    else:  # p: warm 1, timed 2-4; a: check, warm 5, timed 6-8; b: check, warm 9, 10-12
+        want = [("rec-a", 0), *[("rec-a", n) for n in range(5, 9)],
+                ("rec-b", 0), *[("rec-b", n) for n in range(9, 13)]]
+    assert [(name, c) for name, c, *_ in log] == [(name, n % copies) for name, n in want]
     assert len(scen.stream_times_s) == 3 * 3  # pagedattn + rec-a + rec-b, after each call
+
+
+def test_warm_up_lasts_at_least_warmup_s_before_the_timed_calls(fake_limits):
+    log = []
+    scen = _recorded_run(log, interleave=False, warmup_s=0.05, sleep_s=0.004, repeat=2)
+    calls = [entry for entry in log if entry[0] == "rec-a"][1:]  # after the check
+    warm = calls[:-2]
+    assert len(warm) >= 2
+    assert warm[-1][3] - warm[0][2] >= 0.05  # the warm-up span
+    assert warm[-2][3] - warm[0][2] < 0.05  # and it stopped once the span was reached
+    assert len(scen.cells["rec-a"].times_s) == 2
 
 
 # ------------------------------------------------------------------ probes + full runs

@@ -12,7 +12,7 @@ QUICK = {"suite": "quick", "repeat": 5, "budget_s": 1.5, "probe_bytes": 256 << 2
 # already 8x a 32 MiB LLC; 1536^3 matmuls saturate the BLAS on a few cores).
 FULL = {"suite": "default", "repeat": 9, "budget_s": 20.0, "probe_bytes": 256 << 20,
         "matmul_size": 1536}
-TINY_PROBES = {"probe_bytes": 64 << 20, "matmul_size": 512}
+TINY_PROBES = {"probe_bytes": 64 << 20, "matmul_size": 512, "warmup_s": 0.0}
 
 
 def _csv(values: list[str] | None) -> list[str] | None:
@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="time budget per scenario x contender; slow contenders get fewer "
                         "repeats (default 20; 1.5 with --quick)")
+    p.add_argument("--warmup", type=float, default=None, metavar="SECONDS",
+                   help="untimed calls per scenario x contender for at least this long "
+                        "before its timed repeats (default 0.1; 0 with --suite tiny: one call)")
     p.add_argument("--json", metavar="PATH", help="write every raw timing, machine info and "
                                                   "versions as JSON (schema: pagedattn.bench.schema)")
     p.add_argument("--plot", metavar="PATH.png",
@@ -87,6 +90,7 @@ def options_from_args(args: argparse.Namespace):
         probe_bytes=extra.get("probe_bytes", preset["probe_bytes"]),
         matmul_size=extra.get("matmul_size", preset["matmul_size"]),
         interleave=args.interleave,
+        warmup_s=args.warmup if args.warmup is not None else extra.get("warmup_s", 0.1),
     )
 
 

@@ -208,7 +208,8 @@ def to_json(result: BenchResult, argv: list[str] | None = None) -> dict:
         "machine": result.machine.to_json(),
         "versions": result.versions,
         "options": {"suite": opts.suite, "scenarios": opts.scenarios, "contenders": list(result.contenders),
-                    "repeat": opts.repeat, "threads": opts.threads, "budget_s": opts.budget_s},
+                    "repeat": opts.repeat, "threads": opts.threads, "budget_s": opts.budget_s,
+                    "warmup_s": opts.warmup_s, "interleave": opts.interleave},
         "contenders": result.contenders,
         "scenarios": scenarios,
     }

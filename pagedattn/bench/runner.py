@@ -3,15 +3,19 @@ check its output against the reference, and only then time it.
 
 Timing protocol (per scenario x contender):
 
-1. ``run(0)`` is the correctness check (also the first warm-up); a contender that
-   disagrees with the reference is WRONG and is not timed.
-2. ``run(1)`` is the warm-up proper; its time decides how many repeats fit the time
-   budget (at most ``repeat``; a call slower than the whole budget keeps the warm-up as
-   its one sample, flagged).
-3. Repeat ``i`` runs copy ``(2 + i) % copies``: each call reads KV that was evicted from
-   the LLC since it was last touched. For bandwidth-bound kinds a ``torch.sum`` over as
-   many fresh bytes (a slice of the KV pool for attention, separate buffers for cache
-   writes) is timed right after each call: the scenario's stream time.
+1. ``run(0)`` is the correctness check; a contender that disagrees with the reference
+   is WRONG and is not timed.
+2. Warm-up: untimed calls for at least ``warmup_s`` seconds (at least one call), so the
+   timed calls find the thread pool awake and the process settled (the first calls of a
+   process ran 2-5x slower on the 2-core VM). The last warm-up call's time decides how
+   many repeats fit the time budget (at most ``repeat``; a first call slower than the
+   whole budget is kept as the one sample, flagged).
+3. Every call of a scenario (warm-up or timed, of any contender) reads the next copy of
+   a rotation ``1, 2, ..., copies - 1, 0, 1, ...``: the least recently read copy, evicted
+   from the LLC since, even when contenders alternate. For bandwidth-bound kinds a
+   ``torch.sum`` over as many fresh bytes (a slice of the KV pool for attention,
+   separate buffers for cache writes) is timed right after each timed call: the
+   scenario's stream time.
 
 Reported times are medians of the repeats.
 """
@@ -55,6 +59,8 @@ class BenchOptions:
     #: other, so a burst of load from other tenants hits all of them alike; every
     #: contender's prepared state is then held at once (more memory)
     interleave: bool = False
+    #: minimum seconds of untimed warm-up calls per scenario x contender (0: one call)
+    warmup_s: float = 0.1
     #: the suite after the ``scenarios`` filter (resolved at construction)
     selected: list[Scenario] = field(init=False, repr=False)
 
@@ -67,6 +73,8 @@ class BenchOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.budget_s <= 0:
             raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
+        if self.warmup_s < 0:
+            raise ValueError(f"warmup_s must be >= 0, got {self.warmup_s}")
         if self.contenders is not None:
             valid = list(CONTENDERS)
             unknown = [c for c in self.contenders if c not in valid]
@@ -260,27 +268,44 @@ class _Checker:
 # ---------------------------------------------------------------------------- timing
 
 
-def _warm_up(prepared: Prepared, copies: int, repeat: int, budget_s: float
-             ) -> tuple[float, int]:
-    """Runs the warm-up call (copy 1); returns its time and how many timed repeats fit the
-    budget (0: the warm-up alone exceeded it and is the only sample)."""
-    t0 = time.perf_counter()
-    prepared.run(1 % copies)
-    warm = time.perf_counter() - t0
-    if warm >= budget_s:
-        return warm, 0
-    return warm, max(1, min(repeat, int(budget_s / max(warm, 1e-9))))
+class _CopyRotation:
+    """Hands out the copy each call of a scenario reads: 1, 2, ..., copies - 1, 0, 1, ...
+    (copy 0 went to the correctness checks), whichever contender makes the call."""
+
+    def __init__(self, copies: int):
+        self.copies, self.calls = copies, 0
+
+    def next(self) -> int:
+        self.calls += 1
+        return self.calls % self.copies
 
 
-def _time_cell(prepared: Prepared, copies: int, repeat: int, budget_s: float,
+def _warm_up(prepared: Prepared, rotation: _CopyRotation, repeat: int, budget_s: float,
+             warmup_s: float) -> tuple[float, int]:
+    """Untimed calls for at least ``warmup_s`` (at least one); returns the last call's
+    time and how many timed repeats fit the budget (0: the first call alone exceeded it
+    and is the only sample)."""
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        prepared.run(rotation.next())
+        last = time.perf_counter() - t0
+        if last >= budget_s:
+            return last, 0
+        if t0 + last - start >= min(warmup_s, budget_s):
+            break
+    return last, max(1, min(repeat, int(budget_s / max(last, 1e-9))))
+
+
+def _time_cell(prepared: Prepared, rotation: _CopyRotation, opts: BenchOptions,
                stream=None) -> tuple[list[float], list[float], bool]:
     """Timed samples of ``prepared.run`` (and interleaved stream samples)."""
-    warm, n = _warm_up(prepared, copies, repeat, budget_s)
+    warm, n = _warm_up(prepared, rotation, opts.repeat, opts.budget_s, opts.warmup_s)
     if n == 0:
         return [warm], [], True
     times, stream_times = [], []
-    for i in range(n):
-        copy = (2 + i) % copies
+    for _ in range(n):
+        copy = rotation.next()
         t0 = time.perf_counter()
         prepared.run(copy)
         times.append(time.perf_counter() - t0)
@@ -288,7 +313,7 @@ def _time_cell(prepared: Prepared, copies: int, repeat: int, budget_s: float,
             t0 = time.perf_counter()
             stream(copy)
             stream_times.append(time.perf_counter() - t0)
-    return times, stream_times, n < repeat
+    return times, stream_times, n < opts.repeat
 
 
 def _one_line(exc: BaseException) -> str:
@@ -320,11 +345,11 @@ def _prepare_checked(contender: Contender, inputs: ScenarioInputs, checker: _Che
 
 
 def _run_interleaved(contenders: dict[str, Contender], inputs: ScenarioInputs,
-                     checker: _Checker, opts: BenchOptions, stream, progress
-                     ) -> tuple[dict[str, Cell], list[float]]:
+                     checker: _Checker, opts: BenchOptions, rotation: _CopyRotation, stream,
+                     progress) -> tuple[dict[str, Cell], list[float]]:
     """Like :func:`_run_cell` for every contender, but the timed calls go round-robin:
-    repeat ``i`` of every contender runs before repeat ``i + 1`` of any, each on copy
-    ``(2 + i) % copies`` (so all of them read the same cold KV in turn)."""
+    repeat ``i`` of every contender runs before repeat ``i + 1`` of any, each call on the
+    next copy of the scenario's rotation."""
     cells: dict[str, Cell] = {}
     ready: dict[str, Prepared] = {}
     for name, contender in contenders.items():
@@ -332,11 +357,10 @@ def _run_interleaved(contenders: dict[str, Contender], inputs: ScenarioInputs,
         cells[name], prepared = _prepare_checked(contender, inputs, checker)
         if prepared is not None:
             ready[name] = prepared
-    copies = inputs.copies
     rounds: dict[str, int] = {}
     for name, prepared in list(ready.items()):
         try:
-            warm, n = _warm_up(prepared, copies, opts.repeat, opts.budget_s)
+            warm, n = _warm_up(prepared, rotation, opts.repeat, opts.budget_s, opts.warmup_s)
         except Exception as exc:
             cells[name] = Cell(name, "error", _one_line(exc), note=cells[name].note)
             del ready[name]
@@ -350,10 +374,10 @@ def _run_interleaved(contenders: dict[str, Contender], inputs: ScenarioInputs,
         cells[name].budget_limited = rounds[name] < opts.repeat
     stream_times: list[float] = []
     for i in range(max(rounds.values(), default=0)):
-        copy = (2 + i) % copies
         for name, prepared in ready.items():
             if i >= rounds[name] or cells[name].status != "ok":
                 continue
+            copy = rotation.next()
             try:
                 t0 = time.perf_counter()
                 prepared.run(copy)
@@ -371,13 +395,13 @@ def _run_interleaved(contenders: dict[str, Contender], inputs: ScenarioInputs,
 
 
 def _run_cell(contender: Contender, inputs: ScenarioInputs, checker: _Checker,
-              opts: BenchOptions, stream) -> tuple[Cell, list[float]]:
+              opts: BenchOptions, rotation: _CopyRotation, stream
+              ) -> tuple[Cell, list[float]]:
     cell, prepared = _prepare_checked(contender, inputs, checker)
     if prepared is None:
         return cell, []
     try:
-        times, stream_times, limited = _time_cell(
-            prepared, inputs.copies, opts.repeat, opts.budget_s, stream)
+        times, stream_times, limited = _time_cell(prepared, rotation, opts, stream)
         cell.times_s, cell.budget_limited = times, limited
         return cell, stream_times
     except Exception as exc:  # one broken contender must not sink the whole table
@@ -458,11 +482,12 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
                 views[copy].sum()
         cells: dict[str, Cell] = {}
         stream_times: list[float] = []
+        rotation = _CopyRotation(copies)
         if opts.interleave:
             available = {n: c for n, c in contenders.items() if availability[n]["available"]}
             t0 = time.perf_counter()
-            cells, stream_times = _run_interleaved(available, inputs, checker, opts, stream,
-                                                   progress)
+            cells, stream_times = _run_interleaved(available, inputs, checker, opts,
+                                                   rotation, stream, progress)
             for name in contenders:  # table order; wall time is shared
                 if name not in cells:
                     progress.step(f"{s.name} · {name}")
@@ -475,7 +500,7 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
                 cells[name] = Cell(name, "unavailable", availability[name]["reason"])
                 continue
             t0 = time.perf_counter()
-            cell, st = _run_cell(contender, inputs, checker, opts, stream)
+            cell, st = _run_cell(contender, inputs, checker, opts, rotation, stream)
             cell.wall_s = time.perf_counter() - t0
             cells[name] = cell
             stream_times += st

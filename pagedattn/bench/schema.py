@@ -13,7 +13,8 @@ Document outline (times in seconds, rates in 1e9 units)::
      machine:  {cpu_model, logical_cores, threads, llc_bytes, dram_read_gbps,
                 matmul_gflops{dtype: GFLOP/s}, probe_bytes, matmul_size, measured_at, cached},
      versions: {pagedattn, torch, python, ...},
-     options:  {suite, scenarios, contenders[], repeat, threads, budget_s},
+     options:  {suite, scenarios, contenders[], repeat, threads, budget_s, warmup_s,
+                interleave},
      contenders: {name: {available, reason, description}},
      scenarios: [{scenario{name, kind, batch, seq_lens[], query_lens[], heads..., bytes, flops},
                   copies, roofline{bound, t_min_s, ...}, stream{times_s[], median_s, bytes},
@@ -77,6 +78,8 @@ SCHEMA: dict = {
                 "repeat": {"type": "integer", "minimum": 1},
                 "threads": {"type": ["integer", "null"]},
                 "budget_s": _NUM,
+                "warmup_s": _NUM,
+                "interleave": {"type": "boolean"},
             },
         },
         "contenders": {
