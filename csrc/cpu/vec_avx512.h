@@ -20,7 +20,8 @@ struct VecAvx512 {
 
   // Lane i of the result = sum of a[i]'s lanes (16 horizontal sums for ~45 instructions
   // instead of 16 separate reductions): pairwise unpack-add trees, then 128-bit shuffles.
-  static V reduce_lanes(const V* a) {
+  // Always inlined: as a call GCC spilled the 16 inputs to the stack and reloaded them.
+  __attribute__((always_inline)) static V reduce_lanes(const V* a) {
     V b[8], c[4];
     for (int i = 0; i < 8; ++i)
       b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
