@@ -26,8 +26,16 @@
 //     prefetchers alone lose the stream at every scattered 4 KiB page (no sw prefetch: -30%).
 //   * Reading each block as one contiguous run over all kv heads (WorkItem::kv_heads):
 //     +15-25% over per-head 8 KiB pieces.
-//   Left: softmax (~10%) and reductions; a 1-thread decode now streams ~0.75 of DRAM speed,
-//   so 2 threads cannot scale 1.8x on a VM whose torch.sum itself scales ~1.5x.
+//   * 4 KiB pages: the same decode on 2 MiB pages ran +10-20% faster. The pool dwarfs the
+//     TLB's reach, so each page's first (prefetch) access waited on a page walk while
+//     holding a miss slot. Touching one line per page ~64 KiB ahead (touch_pages) gets
+//     the huge-page speed back: 1 thread +20-30%, 2 threads +5-12%.
+//   * The reduction of q.k lane sums was called out of line (its 16 inputs spilled);
+//     inlined, plus the softmax scale folded into exp's FMA: hot decode +12% per core.
+//   Left: hot compute is ~24 GB/s per core (q.k ~50% incl. the lane reductions, P.V ~25%,
+//   softmax ~7%). 1 thread streams ~15-17 GB/s from DRAM where torch.sum gets ~25-29, but
+//   this VM's torch.sum scales only ~1.15-1.25x from 1 to 2 threads, so 2 threads of a
+//   DRAM-bound decode (~25-30 GB/s) cannot reach 1.8x of 1 thread here.
 // - Prefill items (>= 16 rows of one kv head) on AVX-512 take PrefillItem, the rows-in-lanes
 //   kernel of prefill_lanes_avx512.h (bf16 and fp32): this generic path spent its
 //   non-dot-product time on q.k lane reductions and per-row softmax bookkeeping and reached
@@ -60,6 +68,18 @@ struct PrefetchCursor {
     for (; n > 0 && v_left > 0; --n, v += 64, v_left -= 64) prefetch_l2(v);
   }
   void tick() { issue(per_tick); }
+  // One line in each 4 KiB page of the K and V ranges.
+  void touch_pages() const {
+    touch_range(k, k_left);
+    touch_range(v, v_left);
+  }
+  static void touch_range(const char* p, int64_t bytes) {
+    if (bytes <= 0) return;
+    prefetch_l2(p);
+    const uintptr_t start = reinterpret_cast<uintptr_t>(p);
+    for (uintptr_t a = (start | 4095) + 1; a < start + bytes; a += 4096)
+      prefetch_l2(reinterpret_cast<const char*>(a));
+  }
   // Spreads what is left over `ticks` ticks.
   void pace(int ticks) { per_tick = ticks > 0 ? (lines() + ticks - 1) / ticks : lines(); }
 };
@@ -279,9 +299,16 @@ struct AttnKernel {
             reinterpret_cast<const char*>(vbase + phys * p.v_stride_block + h * p.v_stride_head),
             k_bytes, v_bytes};
       };
-      for (int64_t st = 1; st < std::min(nsteps, dist); ++st) {
+      // Pages are touched (one line each) further ahead than lines are prefetched: a
+      // page's first access pays a page walk, as the pool is far larger than the TLB's
+      // reach, and a prefetch waiting on a walk holds a miss slot. With the walk off the
+      // critical path, DRAM decode ran +10-30% (1 and 2 threads), as fast as on 2 MiB
+      // pages, where this gains nothing.
+      const int64_t page_ahead = std::max<int64_t>(dist + 1, (64 * 1024) / (k_bytes + v_bytes));
+      for (int64_t st = 1; st < std::min(nsteps, page_ahead); ++st) {
         PrefetchCursor warm = cursor(st);
-        warm.issue(warm.lines());
+        if (st < dist) warm.issue(warm.lines());
+        else warm.touch_pages();
       }
       for (int64_t st = 0; st < nsteps; ++st) {
         const int64_t blk = first + st / NH;
@@ -289,6 +316,7 @@ struct AttnKernel {
         // The lines of step st + dist are spread over this step's q.k and P.V.
         PrefetchCursor pf;
         if (st + dist < nsteps) pf = cursor(st + dist);
+        if (st + page_ahead < nsteps) cursor(st + page_ahead).touch_pages();
         const int64_t base = blk * BS;
         const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
         const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, BS));
