@@ -115,16 +115,16 @@ STREAM_S = 0.7  # raw stream samples: t/stream of decode-b2-c2048 is about 1 / 0
 def _stub_timing(monkeypatch):
     real_run_cell = runner._run_cell
 
-    def run_cell(contender, inputs, checker, opts, stream):
+    def run_cell(contender, inputs, checker, opts, rotation, stream):
         name = inputs.scenario.name
 
-        def fake_time(prepared, copies, repeat, budget_s, stream=None):
+        def fake_time(prepared, rotation, opts, stream=None):
             t = 1.0 if contender.name == "pagedattn" else STUB[(contender.name, name)]
             # Spread samples around the median: the median, not the mean, is reported.
-            times = [t, 50.0 * t, t / 50.0, t, t][:max(repeat, 1)]
+            times = [t, 50.0 * t, t / 50.0, t, t][:max(opts.repeat, 1)]
             return times, [STREAM_S] * len(times) if stream else [], False
         monkeypatch.setattr(runner, "_time_cell", fake_time)
-        return real_run_cell(contender, inputs, checker, opts, stream)
+        return real_run_cell(contender, inputs, checker, opts, rotation, stream)
     monkeypatch.setattr(runner, "_run_cell", run_cell)
 
 
