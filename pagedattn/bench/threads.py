@@ -29,7 +29,22 @@ def num_threads(n: int):
         torch.set_num_threads(old)
 
 
-class PinnedThreadsContender(Contender):
+class _PinnedContender(Contender):
+    """A thread count (validated) and the scenarios a pinned contender runs on."""
+
+    def __init__(self, threads: int, scenarios: set[str] | None = None):
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        self.threads = threads
+        self.scenarios = None if scenarios is None else set(scenarios)
+
+    def unsupported_reason(self, scenario: Scenario) -> str | None:
+        if self.scenarios is not None and scenario.name not in self.scenarios:
+            return "not a thread-scaling scenario"
+        return super().unsupported_reason(scenario)
+
+
+class PinnedThreadsContender(_PinnedContender):
     """pagedattn's native kernels under ``threads`` threads, on ``scenarios`` only.
 
     The scheduler metadata records the thread count it was planned for (the attention
@@ -40,10 +55,7 @@ class PinnedThreadsContender(Contender):
     kinds = PagedattnContender.kinds
 
     def __init__(self, threads: int, scenarios: set[str] | None = None):
-        if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-        self.threads = threads
-        self.scenarios = None if scenarios is None else set(scenarios)
+        super().__init__(threads, scenarios)
         self.name = f"pagedattn@{threads}t"
         self.description = f"pagedattn.ops native CPU kernels pinned to {threads} thread(s)"
         self._base = PagedattnContender()
@@ -52,9 +64,7 @@ class PinnedThreadsContender(Contender):
         return self._base.unavailable_reason()
 
     def unsupported_reason(self, scenario: Scenario) -> str | None:
-        if self.scenarios is not None and scenario.name not in self.scenarios:
-            return "not a thread-scaling scenario"
-        return self._base.unsupported_reason(scenario)
+        return super().unsupported_reason(scenario) or self._base.unsupported_reason(scenario)
 
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
         with num_threads(self.threads):
@@ -68,7 +78,7 @@ class PinnedThreadsContender(Contender):
                         poison=inner.poison, note=inner.note)
 
 
-class PinnedStreamContender(Contender):
+class PinnedStreamContender(_PinnedContender):
     """The runner's stream probe (``torch.sum`` over a slice of the KV pool as large as a
     copy's KV, one slice per copy) under ``threads`` threads, on ``scenarios`` only. Its
     median against the scenario's stream time (taken at the run's thread count after
@@ -79,17 +89,9 @@ class PinnedStreamContender(Contender):
     checked = False
 
     def __init__(self, threads: int, scenarios: set[str] | None = None):
-        if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-        self.threads = threads
-        self.scenarios = None if scenarios is None else set(scenarios)
+        super().__init__(threads, scenarios)
         self.name = f"torch.sum@{threads}t"
         self.description = f"torch.sum over the scenario's KV bytes on {threads} thread(s)"
-
-    def unsupported_reason(self, scenario: Scenario) -> str | None:
-        if self.scenarios is not None and scenario.name not in self.scenarios:
-            return "not a thread-scaling scenario"
-        return super().unsupported_reason(scenario)
 
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
         views = probes.stream_views(inputs.kv_cache, inputs.scenario.kv_bytes(), inputs.copies)
