@@ -311,6 +311,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
     WorkItem item;
     int64_t slot;  // slot of split 0; the tile's splits are consecutive
     int32_t nsplit;
+    int64_t row0;  // the item's first row within the slots
   };
   std::vector<Job> jobs;
   std::vector<Merge> merges;
@@ -339,8 +340,13 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
                           rows * std::max<int64_t>(vis, 1), -1});
           continue;
         }
-        merges.push_back({WorkItem{r32, h32, t32, qe, 0, sl[r], nullptr, nullptr, nh32},
-                          num_slots, static_cast<int32_t>(splits)});
+        // One merge per kv head: the partials were written by every thread, and per-head
+        // merges spread those (mostly cross-core) reads over the threads too.
+        const int64_t head_rows = (qe - t) * group;
+        for (int64_t k = 0; k < heads_per_item; ++k)
+          merges.push_back({WorkItem{r32, static_cast<int32_t>(h + k), t32, qe, 0, sl[r], nullptr,
+                                     nullptr, 1},
+                            num_slots, static_cast<int32_t>(splits), k * head_rows});
         for (int64_t s = 0; s < splits; ++s) {
           const int64_t a = vis_lo[r] + s * chunk, b = std::min(vis_hi[r] + 1, a + chunk);
           jobs.push_back({WorkItem{r32, h32, t32, qe, static_cast<int32_t>(a),
@@ -363,8 +369,8 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
       j.item.part_lse = pl + j.slot * max_rows;
     }
     for (Merge& m : merges) {
-      m.item.part_out = po + m.slot * max_rows * hs;
-      m.item.part_lse = pl + m.slot * max_rows;
+      m.item.part_out = po + (m.slot * max_rows + m.row0) * hs;
+      m.item.part_lse = pl + m.slot * max_rows + m.row0;
     }
   }
   // Longest first, handed out dynamically: balances mixed prefill/decode batches.
