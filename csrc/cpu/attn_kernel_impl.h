@@ -302,8 +302,8 @@ struct AttnKernel {
       // Pages are touched (one line each) further ahead than lines are prefetched: a
       // page's first access pays a page walk, as the pool is far larger than the TLB's
       // reach, and a prefetch waiting on a walk holds a miss slot. With the walk off the
-      // critical path, DRAM decode ran +10-30% (1 and 2 threads), as fast as on 2 MiB
-      // pages, where this gains nothing.
+      // critical path, DRAM decode ran +20-30% on 1 thread and +5-12% on 2, as fast as on
+      // 2 MiB pages, where this gains nothing.
       const int64_t page_ahead = std::max<int64_t>(dist + 1, (64 * 1024) / (k_bytes + v_bytes));
       // The item's first steps: step 0 too, whose loads would otherwise all miss on demand
       // (an item start cost ~4.5 us before, ~3.3 after; split decodes start 4-8 per thread).
