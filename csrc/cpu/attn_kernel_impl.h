@@ -108,13 +108,39 @@ struct QkGeneric {
     for (int i = 0; i < VO::W; ++i) pf.tick();
     return dot(q, k, kst, D);
   }
-  // Scores of two query rows against the same W keys (into s0, s1); ISA specializations
-  // read each key row once for both.
+  // Scores of two query rows against the same W keys (into s0, s1): each key chunk is
+  // loaded and converted once for both rows (a third fewer q.k instructions than two
+  // dot() passes), KB keys at a time so the 2 x KB accumulators stay in registers.
   static void dot_group2(const QElem* q0, const QElem* q1, const T* k, int64_t kst, int D,
                          float* s0, float* s1, PrefetchCursor& pf) {
-    for (int i = 0; i < VO::W; ++i) pf.tick();
-    VO::store(s0, dot(q0, k, kst, D));
-    VO::store(s1, dot(q1, k, kst, D));
+    constexpr int KB = VO::W < 4 ? VO::W : 4;
+    V a0[VO::W], a1[VO::W];
+#pragma GCC unroll 16
+    for (int i0 = 0; i0 < VO::W; i0 += KB) {
+      V x[KB], y[KB];
+#pragma GCC unroll 4
+      for (int i = 0; i < KB; ++i) {
+        pf.tick();
+        x[i] = VO::zero();
+        y[i] = VO::zero();
+      }
+      for (int d = 0; d < D; d += VO::W) {
+        const V qa = VO::load(q0 + d), qb = VO::load(q1 + d);
+#pragma GCC unroll 4
+        for (int i = 0; i < KB; ++i) {
+          const V kv = VO::cvt_load(k + (i0 + i) * kst + d);
+          x[i] = VO::fma(qa, kv, x[i]);
+          y[i] = VO::fma(qb, kv, y[i]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < KB; ++i) {
+        a0[i0 + i] = x[i];
+        a1[i0 + i] = y[i];
+      }
+    }
+    VO::store(s0, VO::reduce_lanes(a0));
+    VO::store(s1, VO::reduce_lanes(a1));
   }
 };
 
