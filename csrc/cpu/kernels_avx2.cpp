@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "isa_generated.h"
 #include "kernel_api.h"
@@ -18,6 +19,13 @@ namespace {
 #include "vec_scalar.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
+#include "prefill_lanes_avx2.h"
+template <>
+struct PrefillItem<VecAvx2, float> : LanesPrefillAvx2<float> {};
+template <>
+struct PrefillItem<VecAvx2, bf16_t> : LanesPrefillAvx2<bf16_t> {};
+template <>
+struct PrefillItem<VecAvx2, fp16_t> : LanesPrefillAvx2<fp16_t> {};
 }  // namespace
 
 const KernelTable* kernels_avx2() {

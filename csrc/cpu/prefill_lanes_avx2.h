@@ -1,0 +1,245 @@
+// Prefill items (>= 8 query rows of one kv head) with query rows in the 8 lanes of AVX2
+// vectors, every dtype computed in fp32 with FMA. Included by kernels_avx2.cpp after
+// attn_kernel_impl.h; the AVX-512 twin (prefill_lanes_avx512.h) explains the layout:
+// Q^T [D][Rp] and O^T [D][Rp] in scratch, q.k as KT keys x NG row-group outer products of
+// broadcast key elements, online softmax elementwise over 8 rows, P.V with broadcast V.
+// AVX2 has no broadcast operand for bf16/fp16, so each chunk of up to 32 keys of a block is
+// first converted to fp32 (fp32 caches are read in place).
+template <class T>
+struct LanesPrefillAvx2 {
+  static constexpr int L = 8;    // rows per vector
+  static constexpr int KT = 4;   // keys per q.k tile (x 2 row groups = 8 accumulators)
+  static constexpr int DT = 4;   // d rows per P.V tile (x 2 row groups)
+  static constexpr int SB = 32;  // keys per chunk (block sizes are 16 or multiples of 32)
+  static constexpr bool kConvert = !std::is_same<T, float>::value;
+  static constexpr float kLazy = 8.f;
+  using Kern = AttnKernel<VecAvx2, T>;
+
+  // st[t][rows] (t in [ta, tb)) = Q.K^T for row groups [g0, g0 + NG); key t at
+  // kf + (t - ta) * kst.
+  template <int NG>
+  static void qk(const float* qp, int Rp, int g0, const float* kf, int64_t kst, int ta, int tb,
+                 int D, float* st) {
+    for (int t = ta; t < tb; t += KT) {
+      __m256 a[KT][NG];
+      for (int k = 0; k < KT; ++k)
+        for (int g = 0; g < NG; ++g) a[k][g] = _mm256_setzero_ps();
+      const float* qi = qp + g0 * L;
+      const float* kr = kf + (t - ta) * kst;
+      for (int i = 0; i < D; ++i, qi += Rp) {
+        __m256 q[NG];
+        for (int g = 0; g < NG; ++g) q[g] = _mm256_loadu_ps(qi + g * L);
+#pragma GCC unroll 4
+        for (int k = 0; k < KT; ++k) {
+          const __m256 b = _mm256_broadcast_ss(kr + k * kst + i);
+          for (int g = 0; g < NG; ++g) a[k][g] = _mm256_fmadd_ps(q[g], b, a[k][g]);
+        }
+      }
+      for (int k = 0; k < KT; ++k)
+        for (int g = 0; g < NG; ++g) _mm256_storeu_ps(st + (t + k) * Rp + (g0 + g) * L, a[k][g]);
+    }
+  }
+
+  // ot[d][rows] += sum_j P^T[j][rows] * V[j][d] for j in [j0, j1); key j at
+  // vf + (j - j0) * vst.
+  template <int NG>
+  static void pv(const float* P, const float* vf, int64_t vst, int j0, int j1, int Rp, int g0,
+                 int D, float* ot) {
+    for (int d0 = 0; d0 < D; d0 += DT) {
+      __m256 a[DT][NG];
+      for (int k = 0; k < DT; ++k)
+        for (int g = 0; g < NG; ++g) a[k][g] = _mm256_loadu_ps(ot + (d0 + k) * Rp + (g0 + g) * L);
+      const float* pj = P + j0 * Rp + g0 * L;
+      const float* vj = vf + d0;
+      for (int j = j0; j < j1; ++j, pj += Rp, vj += vst) {
+        __m256 pr[NG];
+        for (int g = 0; g < NG; ++g) pr[g] = _mm256_loadu_ps(pj + g * L);
+#pragma GCC unroll 4
+        for (int k = 0; k < DT; ++k) {
+          const __m256 b = _mm256_broadcast_ss(vj + k);
+          for (int g = 0; g < NG; ++g) a[k][g] = _mm256_fmadd_ps(pr[g], b, a[k][g]);
+        }
+      }
+      for (int k = 0; k < DT; ++k)
+        for (int g = 0; g < NG; ++g) _mm256_storeu_ps(ot + (d0 + k) * Rp + (g0 + g) * L, a[k][g]);
+    }
+  }
+
+  // Rows [ta, tb) of a cache block as fp32 [tb - ta][D] at dst (row t at dst + (t - ta) * D);
+  // rows outside [t0, t1) are zeros (unwritten cache rows may hold NaN).
+  static void to_f32(const T* src, int64_t st, int ta, int tb, int t0, int t1, int D, float* dst) {
+    for (int t = ta; t < tb; ++t) {
+      float* row = dst + (t - ta) * D;
+      const bool in = t >= t0 && t < t1;
+      for (int d = 0; d < D; d += L)
+        _mm256_storeu_ps(row + d, in ? VecAvx2::cvt_load(src + t * st + d) : _mm256_setzero_ps());
+    }
+  }
+
+  template <int NG>
+  static void qk_groups(const float* qp, int Rp, int NGall, const float* kf, int64_t kst, int ta,
+                        int tb, int D, float* st) {
+    int g0 = 0;
+    for (; g0 + NG <= NGall; g0 += NG) qk<NG>(qp, Rp, g0, kf, kst, ta, tb, D, st);
+    if (g0 < NGall) qk<1>(qp, Rp, g0, kf, kst, ta, tb, D, st);
+  }
+  template <int NG>
+  static void pv_groups(const float* P, const float* vf, int64_t vst, int j0, int j1, int Rp,
+                        int NGall, int D, float* ot) {
+    int g0 = 0;
+    for (; g0 + NG <= NGall; g0 += NG) pv<NG>(P, vf, vst, j0, j1, Rp, g0, D, ot);
+    if (g0 < NGall) pv<1>(P, vf, vst, j0, j1, Rp, g0, D, ot);
+  }
+
+  static bool run(const AttnParams& p, const WorkItem& it, float* scratch) {
+    const int D = p.head_size, BS = p.block_size;
+    const int G = p.num_heads / p.num_kv_heads;
+    const int ntok = it.q_end - it.q_begin;
+    const int R = ntok * G;
+    if (it.heads() != 1 || R < L || BS % 16 != 0) return false;
+    const int Rp = (R + L - 1) / L * L, NG = Rp / L;
+    const int CB = std::min(BS, SB);  // keys per chunk
+    const size_t need = 2 * static_cast<size_t>(D) * Rp + static_cast<size_t>(CB) * Rp +
+                        (kConvert ? static_cast<size_t>(CB) * D : 0) + 6 * static_cast<size_t>(Rp);
+    if (need > attn_scratch_floats(R, D, BS)) return false;
+    float* qp = scratch;                 // [D][Rp] Q^T; at the end the output rows [R][D]
+    float* ot = qp + D * Rp;             // [D][Rp] O^T accumulators
+    float* st = ot + D * Rp;             // [CB][Rp] scores, then probabilities
+    float* kv = st + CB * Rp;            // [CB][D] fp32 K, then V, of one chunk
+    float* m = kv + (kConvert ? CB * D : 0);  // [Rp] running max
+    float* l = m + Rp;                        // [Rp] running sum
+    int32_t* lo = reinterpret_cast<int32_t*>(l + Rp);  // [Rp] first visible key
+    int32_t* hi = lo + Rp;                             // [Rp] last visible key
+    float* apos = reinterpret_cast<float*>(hi + Rp);   // [Rp] -position (ALiBi)
+    float* slope = apos + Rp;                          // [Rp] ALiBi slope
+
+    const int64_t qs = p.query_start_loc[it.req];
+    const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
+    const int64_t kv_len = p.seq_lens[it.req];
+    int64_t ulo = INT64_MAX, uhi = -1;
+    for (int r = 0; r < Rp; ++r) {  // padding rows see nothing
+      lo[r] = 1, hi[r] = 0, apos[r] = 0.f, slope[r] = 0.f;
+      m[r] = kNegInf, l[r] = 0.f;
+    }
+    for (int t = 0; t < ntok; ++t) {
+      const int64_t ps = kv_len - q_len + it.q_begin + t;
+      const KeyRange keys = visible_key_range(p, ps, it.kv_begin, it.kv_end);
+      int64_t a = keys.first, b = keys.last;
+      if (a <= b) {
+        ulo = std::min(ulo, a);
+        uhi = std::max(uhi, b);
+      } else {
+        a = 1, b = 0;
+      }
+      for (int g = 0; g < G; ++g) {
+        const int r = t * G + g;
+        lo[r] = static_cast<int32_t>(a);  // positions are < seq_lens (int32)
+        hi[r] = static_cast<int32_t>(b);
+        apos[r] = -static_cast<float>(ps);
+        if (p.alibi != nullptr) slope[r] = p.alibi[it.kv_head * G + g];
+      }
+    }
+    for (int r = 0; r < Rp; ++r) {  // Q^T, padding rows 0
+      const T* q = r < R ? Kern::q_row(p, qs + it.q_begin + r / G, it.kv_head * G + r % G) : nullptr;
+      for (int d = 0; d < D; ++d) qp[d * Rp + r] = q != nullptr ? VecScalar::cvt_load(q + d) : 0.f;
+    }
+    for (int i = 0; i < D * Rp; i += L) _mm256_storeu_ps(ot + i, _mm256_setzero_ps());
+
+    if (ulo <= uhi) {
+      const int32_t* bt = p.block_table + it.req * p.bt_stride;
+      const T* kbase = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
+      const T* vbase = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
+      for (int64_t c = ulo / CB; c <= uhi / CB; ++c) {  // chunks of CB keys, inside one block
+        const int64_t base = c * CB;
+        const int64_t blk = base / BS;
+        const int off = static_cast<int>(base - blk * BS);  // chunk start within the block
+        const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
+        const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, CB));
+        const int ta = t0 / KT * KT, tb = (t1 + KT - 1) / KT * KT;  // tb <= CB
+        const int64_t phys = bt[blk];
+        const T* kb = kbase + phys * p.k_stride_block + off * p.k_stride_tok;
+        const T* vb = vbase + phys * p.v_stride_block + off * p.v_stride_tok;
+
+        // q.k over keys [ta, tb); scores of keys outside [t0, t1) are masked below.
+        if constexpr (kConvert) {
+          to_f32(kb, p.k_stride_tok, ta, tb, t0, t1, D, kv);
+          qk_groups<2>(qp, Rp, NG, kv, D, ta, tb, D, st);
+        } else {
+          // fp32 keys in place; keys in [ta, tb) outside [t0, t1) exist in the block.
+          qk_groups<2>(qp, Rp, NG, kb + ta * p.k_stride_tok, p.k_stride_tok, ta, tb, D, st);
+        }
+
+        const __m256 ninf = _mm256_set1_ps(kNegInf), one = _mm256_set1_ps(1.f);
+        const __m256 scale = _mm256_set1_ps(p.scale);
+        for (int g = 0; g < NG; ++g) {  // online softmax, 8 rows per vector
+          const int o = g * L;
+          const __m256i lov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + o));
+          const __m256i hiv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + o));
+          const __m256 sl = _mm256_loadu_ps(slope + o);
+          const __m256 ap = _mm256_add_ps(_mm256_loadu_ps(apos + o),
+                                          _mm256_set1_ps(static_cast<float>(base)));
+          const __m256 m_old = _mm256_loadu_ps(m + o);
+          int32_t lo_max = INT32_MIN, hi_min = INT32_MAX;
+          for (int r = o; r < o + L; ++r) {
+            lo_max = std::max(lo_max, lo[r]);
+            hi_min = std::min(hi_min, hi[r]);
+          }
+          // Interior chunks (every key visible to every row of the group) skip the mask.
+          const bool full = lo_max <= base + ta && hi_min >= base + tb - 1;
+          __m256 mx = m_old;
+          for (int t = ta; t < tb; ++t) {
+            __m256 s = _mm256_loadu_ps(st + t * Rp + o);
+            if (p.softcap > 0.f) {  // cap * tanh(x), as in softmax_row
+              const __m256 e = VecAvx2::exp(_mm256_mul_ps(s, _mm256_set1_ps(2.f * p.scale / p.softcap)));
+              s = _mm256_mul_ps(_mm256_set1_ps(p.softcap),
+                                _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one))));
+            } else {
+              s = _mm256_mul_ps(s, scale);
+            }
+            if (p.alibi != nullptr)
+              s = _mm256_fmadd_ps(sl, _mm256_add_ps(ap, _mm256_set1_ps(static_cast<float>(t))), s);
+            if (!full) {
+              const __m256i kp = _mm256_set1_epi32(static_cast<int32_t>(base + t));
+              const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(lov, kp), _mm256_cmpgt_epi32(kp, hiv));
+              s = _mm256_blendv_ps(s, ninf, _mm256_castsi256_ps(hidden));
+            }
+            _mm256_storeu_ps(st + t * Rp + o, s);
+            mx = _mm256_max_ps(mx, s);
+          }
+          // Lazy max, as in the AVX-512 kernel: keep the old finite max unless the chunk's
+          // exceeds it by more than kLazy.
+          const __m256 moved = _mm256_cmp_ps(_mm256_add_ps(m_old, _mm256_set1_ps(kLazy)), mx, _CMP_LT_OQ);
+          mx = _mm256_blendv_ps(m_old, mx, moved);
+          // A row with nothing visible yet keeps m = -inf and subtracts 0 (exp(-inf) = 0).
+          const __m256 mu = _mm256_andnot_ps(_mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ), mx);
+          const __m256 corr = _mm256_blendv_ps(one, VecAvx2::exp(_mm256_sub_ps(m_old, mu)), moved);
+          __m256 sum = _mm256_setzero_ps();
+          for (int t = ta; t < tb; ++t) {
+            const __m256 e = VecAvx2::exp(_mm256_sub_ps(_mm256_loadu_ps(st + t * Rp + o), mu));
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(st + t * Rp + o, e);
+          }
+          _mm256_storeu_ps(l + o, _mm256_fmadd_ps(_mm256_loadu_ps(l + o), corr, sum));
+          _mm256_storeu_ps(m + o, mx);
+          if (_mm256_movemask_ps(moved) != 0)
+            for (int d = 0; d < D; ++d)
+              _mm256_storeu_ps(ot + d * Rp + o, _mm256_mul_ps(_mm256_loadu_ps(ot + d * Rp + o), corr));
+        }
+
+        // P.V over the visible keys [t0, t1) only (the others may be NaN, see to_f32).
+        if constexpr (kConvert) {
+          to_f32(vb, p.v_stride_tok, t0, t1, t0, t1, D, kv);
+          pv_groups<2>(st, kv, D, t0, t1, Rp, NG, D, ot);
+        } else {
+          pv_groups<2>(st, vb + t0 * p.v_stride_tok, p.v_stride_tok, t0, t1, Rp, NG, D, ot);
+        }
+      }
+    }
+
+    float* acc = qp;  // Q^T is spent: the output rows [R][D] go in its place
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < D; ++d) acc[r * D + d] = ot[d * Rp + r];
+    Kern::finish(p, it, acc, m, l);
+    return true;
+  }
+};
