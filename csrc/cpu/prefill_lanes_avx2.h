@@ -8,8 +8,8 @@
 template <class T>
 struct LanesPrefillAvx2 {
   static constexpr int L = 8;    // rows per vector
-  static constexpr int KT = 4;   // keys per q.k tile (x 2 row groups = 8 accumulators)
-  static constexpr int DT = 4;   // d rows per P.V tile (x 2 row groups)
+  static constexpr int KT = 6;   // keys per q.k tile
+  static constexpr int DT = 6;   // d rows per P.V tile
   static constexpr int SB = 32;  // keys per chunk (block sizes are 16 or multiples of 32)
   static constexpr bool kConvert = !std::is_same<T, float>::value;
   static constexpr float kLazy = 8.f;
@@ -17,10 +17,10 @@ struct LanesPrefillAvx2 {
 
   // st[t][rows] (t in [ta, tb)) = Q.K^T for row groups [g0, g0 + NG); key t at
   // kf + (t - ta) * kst.
-  template <int NG>
+  template <int KT, int NG>
   static void qk(const float* qp, int Rp, int g0, const float* kf, int64_t kst, int ta, int tb,
                  int D, float* st) {
-    for (int t = ta; t < tb; t += KT) {
+    for (int t = ta; t + KT <= tb; t += KT) {
       __m256 a[KT][NG];
       for (int k = 0; k < KT; ++k)
         for (int g = 0; g < NG; ++g) a[k][g] = _mm256_setzero_ps();
@@ -29,7 +29,7 @@ struct LanesPrefillAvx2 {
       for (int i = 0; i < D; ++i, qi += Rp) {
         __m256 q[NG];
         for (int g = 0; g < NG; ++g) q[g] = _mm256_loadu_ps(qi + g * L);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int k = 0; k < KT; ++k) {
           const __m256 b = _mm256_broadcast_ss(kr + k * kst + i);
           for (int g = 0; g < NG; ++g) a[k][g] = _mm256_fmadd_ps(q[g], b, a[k][g]);
@@ -42,10 +42,10 @@ struct LanesPrefillAvx2 {
 
   // ot[d][rows] += sum_j P^T[j][rows] * V[j][d] for j in [j0, j1); key j at
   // vf + (j - j0) * vst.
-  template <int NG>
+  template <int DT, int NG>
   static void pv(const float* P, const float* vf, int64_t vst, int j0, int j1, int Rp, int g0,
-                 int D, float* ot) {
-    for (int d0 = 0; d0 < D; d0 += DT) {
+                 int d_begin, int d_end, float* ot) {
+    for (int d0 = d_begin; d0 + DT <= d_end; d0 += DT) {
       __m256 a[DT][NG];
       for (int k = 0; k < DT; ++k)
         for (int g = 0; g < NG; ++g) a[k][g] = _mm256_loadu_ps(ot + (d0 + k) * Rp + (g0 + g) * L);
@@ -54,7 +54,7 @@ struct LanesPrefillAvx2 {
       for (int j = j0; j < j1; ++j, pj += Rp, vj += vst) {
         __m256 pr[NG];
         for (int g = 0; g < NG; ++g) pr[g] = _mm256_loadu_ps(pj + g * L);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int k = 0; k < DT; ++k) {
           const __m256 b = _mm256_broadcast_ss(vj + k);
           for (int g = 0; g < NG; ++g) a[k][g] = _mm256_fmadd_ps(pr[g], b, a[k][g]);
@@ -76,19 +76,33 @@ struct LanesPrefillAvx2 {
     }
   }
 
+  // Register tiles of KT keys (q.k) or DT d rows (P.V) x 2 row groups, 6 x 2 = 12
+  // accumulators of the 16 ymm registers; the last keys / d rows take tiles of 2.
   template <int NG>
+  static void qk_tiles(const float* qp, int Rp, int g0, const float* kf, int64_t kst, int ta,
+                       int tb, int D, float* st) {
+    const int tm = ta + (tb - ta) / KT * KT;
+    qk<KT, NG>(qp, Rp, g0, kf, kst, ta, tm, D, st);
+    qk<2, NG>(qp, Rp, g0, kf + (tm - ta) * kst, kst, tm, tb, D, st);
+  }
   static void qk_groups(const float* qp, int Rp, int NGall, const float* kf, int64_t kst, int ta,
                         int tb, int D, float* st) {
     int g0 = 0;
-    for (; g0 + NG <= NGall; g0 += NG) qk<NG>(qp, Rp, g0, kf, kst, ta, tb, D, st);
-    if (g0 < NGall) qk<1>(qp, Rp, g0, kf, kst, ta, tb, D, st);
+    for (; g0 + 2 <= NGall; g0 += 2) qk_tiles<2>(qp, Rp, g0, kf, kst, ta, tb, D, st);
+    if (g0 < NGall) qk_tiles<1>(qp, Rp, g0, kf, kst, ta, tb, D, st);
   }
   template <int NG>
+  static void pv_tiles(const float* P, const float* vf, int64_t vst, int j0, int j1, int Rp,
+                       int g0, int D, float* ot) {
+    const int dm = D / DT * DT;
+    pv<DT, NG>(P, vf, vst, j0, j1, Rp, g0, 0, dm, ot);
+    pv<2, NG>(P, vf, vst, j0, j1, Rp, g0, dm, D, ot);
+  }
   static void pv_groups(const float* P, const float* vf, int64_t vst, int j0, int j1, int Rp,
                         int NGall, int D, float* ot) {
     int g0 = 0;
-    for (; g0 + NG <= NGall; g0 += NG) pv<NG>(P, vf, vst, j0, j1, Rp, g0, D, ot);
-    if (g0 < NGall) pv<1>(P, vf, vst, j0, j1, Rp, g0, D, ot);
+    for (; g0 + 2 <= NGall; g0 += 2) pv_tiles<2>(P, vf, vst, j0, j1, Rp, g0, D, ot);
+    if (g0 < NGall) pv_tiles<1>(P, vf, vst, j0, j1, Rp, g0, D, ot);
   }
 
   static bool run(const AttnParams& p, const WorkItem& it, float* scratch) {
@@ -155,7 +169,7 @@ struct LanesPrefillAvx2 {
         const int off = static_cast<int>(base - blk * BS);  // chunk start within the block
         const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
         const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, CB));
-        const int ta = t0 / KT * KT, tb = (t1 + KT - 1) / KT * KT;  // tb <= CB
+        const int ta = t0 / 2 * 2, tb = (t1 + 1) / 2 * 2;  // tiles of 6 and 2 keys; tb <= CB
         const int64_t phys = bt[blk];
         const T* kb = kbase + phys * p.k_stride_block + off * p.k_stride_tok;
         const T* vb = vbase + phys * p.v_stride_block + off * p.v_stride_tok;
@@ -163,10 +177,10 @@ struct LanesPrefillAvx2 {
         // q.k over keys [ta, tb); scores of keys outside [t0, t1) are masked below.
         if constexpr (kConvert) {
           to_f32(kb, p.k_stride_tok, ta, tb, t0, t1, D, kv);
-          qk_groups<2>(qp, Rp, NG, kv, D, ta, tb, D, st);
+          qk_groups(qp, Rp, NG, kv, D, ta, tb, D, st);
         } else {
           // fp32 keys in place; keys in [ta, tb) outside [t0, t1) exist in the block.
-          qk_groups<2>(qp, Rp, NG, kb + ta * p.k_stride_tok, p.k_stride_tok, ta, tb, D, st);
+          qk_groups(qp, Rp, NG, kb + ta * p.k_stride_tok, p.k_stride_tok, ta, tb, D, st);
         }
 
         const __m256 ninf = _mm256_set1_ps(kNegInf), one = _mm256_set1_ps(1.f);
@@ -229,9 +243,9 @@ struct LanesPrefillAvx2 {
         // P.V over the visible keys [t0, t1) only (the others may be NaN, see to_f32).
         if constexpr (kConvert) {
           to_f32(vb, p.v_stride_tok, t0, t1, t0, t1, D, kv);
-          pv_groups<2>(st, kv, D, t0, t1, Rp, NG, D, ot);
+          pv_groups(st, kv, D, t0, t1, Rp, NG, D, ot);
         } else {
-          pv_groups<2>(st, vb + t0 * p.v_stride_tok, p.v_stride_tok, t0, t1, Rp, NG, D, ot);
+          pv_groups(st, vb + t0 * p.v_stride_tok, p.v_stride_tok, t0, t1, Rp, NG, D, ot);
         }
       }
     }
