@@ -15,14 +15,14 @@ struct LanesPrefillAvx2 {
   static constexpr float kLazy = 8.f;
   using Kern = AttnKernel<VecAvx2, T>;
 
-  // st[t][rows] (t in [ta, tb)) = Q.K^T for row groups [g0, g0 + NG); key t at
-  // kf + (t - ta) * kst.
-  template <int KT, int NG>
+  // st[t][rows] (t in [ta, tb), NK keys at a time) = Q.K^T for row groups [g0, g0 + NG);
+  // key t at kf + (t - ta) * kst.
+  template <int NK, int NG>
   static void qk(const float* qp, int Rp, int g0, const float* kf, int64_t kst, int ta, int tb,
                  int D, float* st) {
-    for (int t = ta; t + KT <= tb; t += KT) {
-      __m256 a[KT][NG];
-      for (int k = 0; k < KT; ++k)
+    for (int t = ta; t + NK <= tb; t += NK) {
+      __m256 a[NK][NG];
+      for (int k = 0; k < NK; ++k)
         for (int g = 0; g < NG; ++g) a[k][g] = _mm256_setzero_ps();
       const float* qi = qp + g0 * L;
       const float* kr = kf + (t - ta) * kst;
@@ -30,24 +30,24 @@ struct LanesPrefillAvx2 {
         __m256 q[NG];
         for (int g = 0; g < NG; ++g) q[g] = _mm256_loadu_ps(qi + g * L);
 #pragma GCC unroll 8
-        for (int k = 0; k < KT; ++k) {
+        for (int k = 0; k < NK; ++k) {
           const __m256 b = _mm256_broadcast_ss(kr + k * kst + i);
           for (int g = 0; g < NG; ++g) a[k][g] = _mm256_fmadd_ps(q[g], b, a[k][g]);
         }
       }
-      for (int k = 0; k < KT; ++k)
+      for (int k = 0; k < NK; ++k)
         for (int g = 0; g < NG; ++g) _mm256_storeu_ps(st + (t + k) * Rp + (g0 + g) * L, a[k][g]);
     }
   }
 
-  // ot[d][rows] += sum_j P^T[j][rows] * V[j][d] for j in [j0, j1); key j at
-  // vf + (j - j0) * vst.
-  template <int DT, int NG>
+  // ot[d][rows] += sum_j P^T[j][rows] * V[j][d] for j in [j0, j1) and d in [d_begin, d_end)
+  // (ND at a time); key j at vf + (j - j0) * vst.
+  template <int ND, int NG>
   static void pv(const float* P, const float* vf, int64_t vst, int j0, int j1, int Rp, int g0,
                  int d_begin, int d_end, float* ot) {
-    for (int d0 = d_begin; d0 + DT <= d_end; d0 += DT) {
-      __m256 a[DT][NG];
-      for (int k = 0; k < DT; ++k)
+    for (int d0 = d_begin; d0 + ND <= d_end; d0 += ND) {
+      __m256 a[ND][NG];
+      for (int k = 0; k < ND; ++k)
         for (int g = 0; g < NG; ++g) a[k][g] = _mm256_loadu_ps(ot + (d0 + k) * Rp + (g0 + g) * L);
       const float* pj = P + j0 * Rp + g0 * L;
       const float* vj = vf + d0;
@@ -55,12 +55,12 @@ struct LanesPrefillAvx2 {
         __m256 pr[NG];
         for (int g = 0; g < NG; ++g) pr[g] = _mm256_loadu_ps(pj + g * L);
 #pragma GCC unroll 8
-        for (int k = 0; k < DT; ++k) {
+        for (int k = 0; k < ND; ++k) {
           const __m256 b = _mm256_broadcast_ss(vj + k);
           for (int g = 0; g < NG; ++g) a[k][g] = _mm256_fmadd_ps(pr[g], b, a[k][g]);
         }
       }
-      for (int k = 0; k < DT; ++k)
+      for (int k = 0; k < ND; ++k)
         for (int g = 0; g < NG; ++g) _mm256_storeu_ps(ot + (d0 + k) * Rp + (g0 + g) * L, a[k][g]);
     }
   }
