@@ -213,6 +213,42 @@ struct PvGeneric {
 template <class VO, class T>
 struct Pv : PvGeneric<VO, T> {};
 
+// Row state of a rows-in-lanes prefill item (prefill_lanes_*.h), rows token-major and padded
+// to Rp: each row's visible keys [lo, hi] (empty, 1 > 0, for padding rows), its negated
+// position and ALiBi slope, and the running max/sum; [*ulo, *uhi] is the union of the rows'
+// visible keys (*ulo > *uhi: none).
+inline void init_lane_rows(const AttnParams& p, const WorkItem& it, int Rp, int32_t* lo,
+                           int32_t* hi, float* apos, float* slope, float* m, float* l,
+                           int64_t* ulo, int64_t* uhi) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int64_t qs = p.query_start_loc[it.req];
+  const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
+  const int64_t kv_len = p.seq_lens[it.req];
+  *ulo = INT64_MAX, *uhi = -1;
+  for (int r = 0; r < Rp; ++r) {
+    lo[r] = 1, hi[r] = 0, apos[r] = 0.f, slope[r] = 0.f;
+    m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
+  }
+  for (int t = 0; t < it.q_end - it.q_begin; ++t) {
+    const int64_t ps = kv_len - q_len + it.q_begin + t;
+    const KeyRange keys = visible_key_range(p, ps, it.kv_begin, it.kv_end);
+    int64_t a = keys.first, b = keys.last;
+    if (a <= b) {
+      *ulo = std::min(*ulo, a);
+      *uhi = std::max(*uhi, b);
+    } else {
+      a = 1, b = 0;
+    }
+    for (int g = 0; g < G; ++g) {
+      const int r = t * G + g;
+      lo[r] = static_cast<int32_t>(a);  // positions are < seq_lens (int32)
+      hi[r] = static_cast<int32_t>(b);
+      apos[r] = -static_cast<float>(ps);
+      if (p.alibi != nullptr) slope[r] = p.alibi[it.kv_head * G + g];
+    }
+  }
+}
+
 // Hook for an ISA-specific kernel of whole prefill items (many query rows); returns false
 // when it does not handle the item, which then takes the generic path below.
 template <class VO, class T>

@@ -154,31 +154,8 @@ struct LanesPrefill {
     float* acc = slope + Rp;                                // [R][D] rows for finish
 
     const int64_t qs = p.query_start_loc[it.req];
-    const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
-    const int64_t kv_len = p.seq_lens[it.req];
-    int64_t ulo = INT64_MAX, uhi = -1;
-    for (int r = 0; r < Rp; ++r) {  // padding rows see nothing
-      lo[r] = 1, hi[r] = 0, apos[r] = 0.f, slope[r] = 0.f;
-      m[r] = kNegInf, l[r] = 0.f;
-    }
-    for (int t = 0; t < ntok; ++t) {
-      const int64_t ps = kv_len - q_len + it.q_begin + t;
-      const KeyRange keys = visible_key_range(p, ps, it.kv_begin, it.kv_end);
-      int64_t a = keys.first, b = keys.last;
-      if (a <= b) {
-        ulo = std::min(ulo, a);
-        uhi = std::max(uhi, b);
-      } else {
-        a = 1, b = 0;
-      }
-      for (int g = 0; g < G; ++g) {
-        const int r = t * G + g;
-        lo[r] = static_cast<int32_t>(a);  // positions are < seq_lens (int32)
-        hi[r] = static_cast<int32_t>(b);
-        apos[r] = -static_cast<float>(ps);
-        if (p.alibi != nullptr) slope[r] = p.alibi[it.kv_head * G + g];
-      }
-    }
+    int64_t ulo, uhi;
+    init_lane_rows(p, it, Rp, lo, hi, apos, slope, m, l, &ulo, &uhi);
     // Q^T: 16 rows x 16 words (fp32 elements or bf16 pairs) at a time; padding rows are 0.
     const int U = D / QS;
     for (int r0 = 0; r0 < Rp; r0 += 16)
