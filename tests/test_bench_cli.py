@@ -27,6 +27,7 @@ from pagedattn.bench.scenarios import Scenario, build_inputs, select_scenarios, 
 from pagedattn.bench.schema import SCHEMA, validate, validate_result
 from pagedattn.cli import main
 from pagedattn.ops import reference
+from pagedattn.testing import fake_machine_limits
 
 FAST = "pagedattn,reference,sdpa-contiguous,gather+sdpa"
 
@@ -44,11 +45,7 @@ def fake_limits(monkeypatch):
 
     def fake_measure(probe_bytes, matmul_size):
         calls.append((probe_bytes, matmul_size))
-        return probes.MachineLimits(
-            cpu_model="test cpu", logical_cores=2, threads=torch.get_num_threads(),
-            llc_bytes=1 << 20, dram_read_gbps=10.0,
-            matmul_gflops={"bfloat16": 100.0, "float32": 50.0}, probe_bytes=probe_bytes,
-            matmul_size=matmul_size, measured_at="now")
+        return fake_machine_limits(probe_bytes, matmul_size)
     monkeypatch.setattr(probes, "measure", fake_measure)
     return calls
 

@@ -17,6 +17,7 @@ import torch
 
 from pagedattn.bench import probes, runner, vllm_contender
 from pagedattn.bench.contenders import CONTENDERS
+from pagedattn.testing import fake_machine_limits
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vs_vllm.py"
 _spec = importlib.util.spec_from_file_location("bench_vs_vllm", SCRIPT)
@@ -31,14 +32,7 @@ ARGS = ["--tiny", "--no-progress", "--budget", "0.5"]
 def _fake_limits(tmp_path, monkeypatch):
     """A private limits cache and no real probes (they take seconds)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-
-    def fake_measure(probe_bytes, matmul_size):
-        return probes.MachineLimits(
-            cpu_model="test cpu", logical_cores=2, threads=torch.get_num_threads(),
-            llc_bytes=1 << 20, dram_read_gbps=10.0,
-            matmul_gflops={"bfloat16": 100.0, "float32": 50.0}, probe_bytes=probe_bytes,
-            matmul_size=matmul_size, measured_at="now")
-    monkeypatch.setattr(probes, "measure", fake_measure)
+    monkeypatch.setattr(probes, "measure", fake_machine_limits)
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
