@@ -348,6 +348,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   std::vector<Job> jobs;
   std::vector<Merge> merges;
   int64_t num_slots = 0;
+  int64_t slot_rows = 0;  // rows of the largest split item (decodes: a fraction of max_rows)
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t q_len = qsl[r + 1] - qsl[r];
     if (q_len == 0) continue;
@@ -386,6 +387,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
                           rows * (b - a), num_slots + s});
         }
         num_slots += splits;
+        slot_rows = std::max(slot_rows, rows);
       }
     }
   }
@@ -393,22 +395,22 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   const int64_t scratch_floats =
       align_floats(static_cast<int64_t>(attn_scratch_floats(max_rows, hs, bs)));
   const int64_t nworkers = std::max<int64_t>(1, std::min<int64_t>(threads, jobs.size()));
-  const int64_t part_out_floats = num_slots * max_rows * hs;
+  const int64_t part_out_floats = num_slots * slot_rows * hs;
   const int64_t part_out_at = nworkers * scratch_floats;
   const int64_t part_lse_at = align_floats(part_out_at + part_out_floats);
   thread_local Workspace workspace;
-  float* scr = workspace.floats(static_cast<size_t>(part_lse_at + num_slots * max_rows));
+  float* scr = workspace.floats(static_cast<size_t>(part_lse_at + num_slots * slot_rows));
   if (num_slots > 0) {
     float* po = scr + part_out_at;
     float* pl = scr + part_lse_at;
     for (Job& j : jobs) {
       if (j.slot < 0) continue;
-      j.item.part_out = po + j.slot * max_rows * hs;
-      j.item.part_lse = pl + j.slot * max_rows;
+      j.item.part_out = po + j.slot * slot_rows * hs;
+      j.item.part_lse = pl + j.slot * slot_rows;
     }
     for (Merge& m : merges) {
-      m.item.part_out = po + (m.slot * max_rows + m.row0) * hs;
-      m.item.part_lse = pl + m.slot * max_rows + m.row0;
+      m.item.part_out = po + (m.slot * slot_rows + m.row0) * hs;
+      m.item.part_lse = pl + m.slot * slot_rows + m.row0;
     }
   }
   // Longest first, handed out dynamically: balances mixed prefill/decode batches.
@@ -427,7 +429,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   if (!merges.empty()) {
     at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i)
-        kt->merge(p, merges[i].item, merges[i].nsplit, max_rows * hs, max_rows);
+        kt->merge(p, merges[i].item, merges[i].nsplit, slot_rows * hs, slot_rows);
     });
   }
 }
