@@ -32,8 +32,15 @@
 //     the huge-page speed back: 1 thread +20-30%, 2 threads +5-12%.
 //   * The reduction of q.k lane sums was called out of line (its 16 inputs spilled);
 //     inlined, plus the softmax scale folded into exp's FMA: hot decode +12% per core.
+//   * Small decodes paid page faults, not math: the op's per-call scratch came back as
+//     fresh pages after other code ran (20-60 faults); a per-thread workspace
+//     (attention_ops.cpp) took B1 ctx512 in the vLLM bench from ~140 to ~90 us.
 //   Left: hot compute is ~24 GB/s per core (q.k ~50% incl. the lane reductions, P.V ~25%,
-//   softmax ~7%). 1 thread streams ~15-17 GB/s from DRAM where torch.sum gets ~25-29, but
+//   softmax ~7%). Tried: four rows per key pass with the rows in 128-bit lanes (q as
+//   [D/8][row][8], the key's 8 dims broadcast), which folds each (row, key) sum in-lane
+//   instead of by a 16-vector cross-lane reduction -- same speed hot and from DRAM: the
+//   reductions already overlap the vdpbf16ps, and vbroadcasti32x4 loads cost as much.
+//   1 thread streams ~15-17 GB/s from DRAM where torch.sum gets ~25-29, but
 //   this VM's torch.sum scales only ~1.15-1.25x from 1 to 2 threads, so 2 threads of a
 //   DRAM-bound decode (~25-30 GB/s) cannot reach 1.8x of 1 thread here.
 // - Prefill items (>= 16 rows of one kv head) on AVX-512 take PrefillItem, the rows-in-lanes
