@@ -131,7 +131,7 @@ class Workspace {
   float* floats(size_t n) {
     if (n > capacity_) {
       const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
-      buf_.reset();
+      buf_.reset();  // free the old buffer first: never hold both
       buf_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
       TORCH_CHECK(buf_ != nullptr, "pagedattn: could not allocate ", bytes,
                   " bytes of attention scratch");
