@@ -62,6 +62,17 @@
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Softcapped scores: cap * tanh(s * scale / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
+// saturates cleanly at both ends (0 and ~1.7e38), absolute error ~1e-7 near 0.
+// two_over = 2 * scale / cap. Shared by softmax_row and the rows-in-lanes prefill kernels.
+template <class VO>
+inline typename VO::V softcap_scores(typename VO::V s, typename VO::V two_over,
+                                     typename VO::V cap) {
+  const typename VO::V one = VO::set1(1.f);
+  const typename VO::V e = VO::exp(VO::mul(s, two_over));
+  return VO::mul(cap, VO::add(one, VO::mul(VO::set1(-1.f), VO::div(VO::set1(2.f), VO::add(e, one)))));
+}
+
 // Walks the cache lines of one K block and one V block (a step ahead), issuing
 // `per_tick` prefetches at each tick. The q.k and P.V loops tick at an even pace through a
 // step, so the next step's lines are requested at the rate this one's are consumed: per
@@ -472,15 +483,9 @@ struct AttnKernel {
     // exponent's FMA below, which saves a load-multiply-store pass over the block.
     const bool fold_scale = p.softcap <= 0.f && p.alibi == nullptr && scale > 0.f;
     if (p.softcap > 0.f) {
-      // cap * tanh(x), tanh(x) = 1 - 2 / (exp(2x) + 1): exp saturates cleanly at both ends
-      // (0 and ~1.7e38), absolute error ~1e-7 near 0.
       const V two_over = VO::set1(2.f * scale / p.softcap), cap = VO::set1(p.softcap);
-      const V one = VO::set1(1.f), two = VO::set1(2.f);
-      for (int t = tl / W * W; t <= th; t += W) {
-        const V e = VO::exp(VO::mul(VO::load(s + t), two_over));
-        const V th_v = VO::add(one, VO::mul(VO::set1(-1.f), VO::div(two, VO::add(e, one))));
-        VO::store(s + t, VO::mul(cap, th_v));
-      }
+      for (int t = tl / W * W; t <= th; t += W)
+        VO::store(s + t, softcap_scores<VO>(VO::load(s + t), two_over, cap));
     } else if (!fold_scale) {
       const V sv = VO::set1(scale);
       for (int t = tl / W * W; t <= th; t += W) VO::store(s + t, VO::mul(VO::load(s + t), sv));

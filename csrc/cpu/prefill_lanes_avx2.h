@@ -180,10 +180,9 @@ struct LanesPrefillAvx2 {
           __m256 mx = m_old;
           for (int t = ta; t < tb; ++t) {
             __m256 s = _mm256_loadu_ps(st + t * Rp + o);
-            if (p.softcap > 0.f) {  // cap * tanh(x), as in softmax_row
-              const __m256 e = VecAvx2::exp(_mm256_mul_ps(s, _mm256_set1_ps(2.f * p.scale / p.softcap)));
-              s = _mm256_mul_ps(_mm256_set1_ps(p.softcap),
-                                _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one))));
+            if (p.softcap > 0.f) {
+              s = softcap_scores<VecAvx2>(s, _mm256_set1_ps(2.f * p.scale / p.softcap),
+                                     _mm256_set1_ps(p.softcap));
             } else {
               s = _mm256_mul_ps(s, scale);
             }

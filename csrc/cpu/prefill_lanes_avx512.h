@@ -208,10 +208,9 @@ struct LanesPrefill {
           __m512 mx = m_old;
           for (int t = ta; t < tb; ++t) {
             __m512 s = _mm512_loadu_ps(st + t * Rp + o);
-            if (p.softcap > 0.f) {  // cap * tanh(x), as in softmax_row
-              const __m512 e = VecAvx512::exp(_mm512_mul_ps(s, _mm512_set1_ps(2.f * p.scale / p.softcap)));
-              s = _mm512_mul_ps(_mm512_set1_ps(p.softcap),
-                                _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one))));
+            if (p.softcap > 0.f) {
+              s = softcap_scores<VecAvx512>(s, _mm512_set1_ps(2.f * p.scale / p.softcap),
+                                     _mm512_set1_ps(p.softcap));
             } else {
               s = _mm512_mul_ps(s, scale);
             }
