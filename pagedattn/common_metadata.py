@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedattn import paging
+
 __all__ = ["CommonAttentionMetadata"]
 
 _warned_once: set[str] = set()
@@ -77,10 +79,6 @@ def _int_list(name: str, values: Any) -> list[int]:
     return out
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass
 class CommonAttentionMetadata:
     """Per-batch attention metadata, shared by every layer and backend of a step.
@@ -116,7 +114,7 @@ class CommonAttentionMetadata:
     Columns past a request's last block are padding and never read."""
     slot_mapping: torch.Tensor
     """``(num_tokens,)`` int64, device: cache slot of each query token,
-    ``block_table[r, pos // block_size] * block_size + pos % block_size``; ``-1``
+    ``paging.slots_for_positions`` of its position; ``-1``
     (PAD_SLOT_ID) marks padding tokens whose K/V are not written."""
 
     causal: bool = True
@@ -234,12 +232,7 @@ class CommonAttentionMetadata:
         num_reqs, num_tokens = len(q), sum(q)
 
         if block_table is None:
-            counts = [_cdiv(sl, block_size) for sl in s]
-            bt = torch.zeros((num_reqs, max([1, *counts])), dtype=torch.int32)
-            start = 0
-            for r, c in enumerate(counts):
-                bt[r, :c] = torch.arange(start, start + c, dtype=torch.int32)
-                start += c
+            bt = paging.pad_block_tables(paging.contiguous_block_tables(s, block_size))
         else:
             bt = torch.as_tensor(block_table).to("cpu")
             if bt.dim() != 2 or bt.shape[0] != num_reqs:
@@ -252,19 +245,14 @@ class CommonAttentionMetadata:
             bt = bt.to(torch.int32)
             if block_size is not None:
                 for r, sl in enumerate(s):
-                    if _cdiv(sl, block_size) > bt.shape[1]:
+                    if paging.cdiv(sl, block_size) > bt.shape[1]:
                         raise ValueError(
-                            f"request {r}: seq_len {sl} needs {_cdiv(sl, block_size)} "
+                            f"request {r}: seq_len {sl} needs {paging.cdiv(sl, block_size)} "
                             f"blocks of {block_size}, block_table has {bt.shape[1]} columns"
                         )
 
         if slot_mapping is None:
-            slots: list[int] = []
-            for r, (ql, sl) in enumerate(zip(q, s)):
-                pos = torch.arange(sl - ql, sl, dtype=torch.int64)
-                blocks = bt[r, pos // block_size].to(torch.int64)
-                slots.extend((blocks * block_size + pos % block_size).tolist())
-            sm = torch.tensor(slots, dtype=torch.int64)
+            sm = paging.slot_mapping_for_new_tokens(bt, q, s, block_size)
         else:
             sm = torch.as_tensor(slot_mapping)
             if sm.dim() != 1 or sm.numel() < num_tokens:

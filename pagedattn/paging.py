@@ -39,15 +39,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def slots_for_positions(block_table: Any, positions: Any, block_size: int,
-                        req_indices: Any = None) -> Any:
-    """The slot formula, the only copy of it: ``block_table[pos // bs] * bs + pos % bs``.
+def blocks_and_offsets(block_table: Any, positions: Any, block_size: int,
+                       req_indices: Any = None) -> tuple[Any, Any]:
+    """``(block, offset)`` of each absolute position: ``block_table[pos // bs]`` and
+    ``pos % bs``, the lookup every slot comes from (see :func:`slots_for_positions`).
 
     Works elementwise on python ints (with a list block table), numpy arrays and torch
     tensors. With ``req_indices`` the block table is 2-D ``[num_reqs, max_blocks]`` and
-    token ``t`` reads row ``req_indices[t]``; otherwise it is one request's 1-D table.
-    Tensor results are int64 (block ids are widened before the multiply, so large pools
-    cannot overflow int32).
+    position ``t`` reads row ``req_indices[t]``; otherwise it is one request's 1-D table.
+    Tensor and array blocks are widened to int64 (so ``block * bs`` cannot overflow int32).
     """
     block_index = positions // block_size
     if req_indices is None:
@@ -58,7 +58,23 @@ def slots_for_positions(block_table: Any, positions: Any, block_size: int,
         blocks = blocks.to(torch.int64)
     elif isinstance(blocks, np.ndarray):
         blocks = blocks.astype(np.int64)
-    return blocks * block_size + positions % block_size
+    return blocks, positions % block_size
+
+
+def slots_for_positions(block_table: Any, positions: Any, block_size: int,
+                        req_indices: Any = None) -> Any:
+    """The slot formula, the only copy of it: ``block_table[pos // bs] * bs + pos % bs``.
+
+    Same argument forms as :func:`blocks_and_offsets`; tensor results are int64.
+    """
+    blocks, offsets = blocks_and_offsets(block_table, positions, block_size, req_indices)
+    return blocks * block_size + offsets
+
+
+def split_slots(slots: Any, block_size: int) -> tuple[Any, Any]:
+    """The inverse of the slot formula: ``(slot // bs, slot % bs)``, i.e. the block and the
+    offset in it where a cache writer or reader finds the token of each slot."""
+    return slots // block_size, slots % block_size
 
 
 def new_token_positions(query_lens: Sequence[int], seq_lens: Sequence[int]

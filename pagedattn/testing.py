@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedattn import paging
+
 # Absolute/relative tolerances per storage dtype for kernels vs the fp32 reference.
 # bf16/fp16 follow vLLM's CPU attention tests (inputs are exact; the kernel may round
 # probabilities to the storage dtype before the PV product).
@@ -104,11 +106,9 @@ def make_paged_batch(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
 
-    blocks_per_req = [-(-s // block_size) for s in spec.seq_lens]
+    blocks_per_req = [paging.cdiv(s, block_size) for s in spec.seq_lens]
     num_blocks = 1 + sum(blocks_per_req) + extra_blocks  # block 0 reserved
     physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    max_blocks = max(blocks_per_req, default=0) + 1
-    block_table = torch.zeros(len(spec.seq_lens), max_blocks, dtype=torch.int32)
     if layout == "cpu":
         shape = (num_blocks, num_kv_heads, block_size, head_size)
     elif layout == "flash":
@@ -118,21 +118,23 @@ def make_paged_batch(
     key_cache = torch.full(shape, fill, dtype=dtype)
     value_cache = torch.full(shape, fill, dtype=dtype)
 
-    keys, values, slots = [], [], []
-    for r, (seq_len, q_len) in enumerate(zip(spec.seq_lens, spec.query_lens)):
-        own = [physical.pop() for _ in range(blocks_per_req[r])]
-        block_table[r, : len(own)] = torch.tensor(own, dtype=torch.int32)
+    keys, values, tables = [], [], []
+    for seq_len, n_blocks in zip(spec.seq_lens, blocks_per_req):
+        own = [physical.pop() for _ in range(n_blocks)]
+        tables.append(own)
         k, v = randn(seq_len, num_kv_heads, head_size), randn(seq_len, num_kv_heads, head_size)
         keys.append(k)
         values.append(v)
-        for j in range(seq_len):
-            blk, off = own[j // block_size], j % block_size
-            if layout == "cpu":
-                key_cache[blk, :, off], value_cache[blk, :, off] = k[j], v[j]
-            else:
-                key_cache[blk, off], value_cache[blk, off] = k[j], v[j]
-        slots += [own[j // block_size] * block_size + j % block_size
-                  for j in range(seq_len - q_len, seq_len)]
+        blk, off = paging.blocks_and_offsets(torch.tensor(own, dtype=torch.int64),
+                                             torch.arange(seq_len), block_size)
+        if layout == "cpu":
+            key_cache[blk, :, off], value_cache[blk, :, off] = k, v
+        else:
+            key_cache[blk, off], value_cache[blk, off] = k, v
+    # One spare column: kernels must stop at a request's own blocks.
+    block_table = paging.pad_block_tables(tables, min_cols=max(blocks_per_req, default=0) + 1)
+    slots = paging.slot_mapping_for_new_tokens(block_table, spec.query_lens, spec.seq_lens,
+                                               block_size)
 
     query_lens = torch.tensor(spec.query_lens, dtype=torch.int32)
     query_start_loc = torch.zeros(len(spec.query_lens) + 1, dtype=torch.int32)
@@ -150,7 +152,7 @@ def make_paged_batch(
         block_table=block_table,
         query_start_loc=query_start_loc,
         seq_lens=torch.tensor(spec.seq_lens, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        slot_mapping=slots,
         new_keys=new_keys.reshape(-1, num_kv_heads, head_size),
         new_values=new_values.reshape(-1, num_kv_heads, head_size),
     )

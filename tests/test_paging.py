@@ -59,3 +59,16 @@ def test_decodes_first_swaps_are_minimal(flags, swaps):
 def test_num_leading_decodes():
     assert paging.num_leading_decodes([1, 1, 5, 1], 1) == 2
     assert paging.num_leading_decodes([2, 1], 2) == 2
+
+
+def test_blocks_and_offsets_and_split_slots_invert_the_slot_formula():
+    table = torch.tensor([[7, 2], [5, 9]], dtype=torch.int32)
+    req = torch.tensor([0, 0, 1, 1])
+    pos = torch.tensor([1, 5, 3, 4])
+    blocks, offsets = paging.blocks_and_offsets(table, pos, 4, req)
+    assert blocks.dtype == torch.int64
+    assert blocks.tolist() == [7, 2, 5, 9] and offsets.tolist() == [1, 1, 3, 0]
+    slots = paging.slots_for_positions(table, pos, 4, req)
+    assert slots.tolist() == [29, 9, 23, 36]
+    back_blocks, back_offsets = paging.split_slots(slots, 4)
+    assert back_blocks.tolist() == blocks.tolist() and back_offsets.tolist() == offsets.tolist()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedattn import paging
 from pagedattn.bench import probes
 from pagedattn.bench.contenders import CONTENDERS, Contender, Prepared
 from pagedattn.bench.scenarios import (
@@ -203,7 +204,7 @@ def _reference_attend_written(inputs: ScenarioInputs, query: torch.Tensor) -> to
 
     s = inputs.scenario
     t, bs = s.num_tokens, s.block_size
-    nblk = -(-t // bs)
+    nblk = paging.cdiv(t, bs)
     kv = torch.zeros(2, nblk * bs, s.num_kv_heads, s.head_size, dtype=s.torch_dtype)
     kv[0, :t], kv[1, :t] = inputs.new_keys[0], inputs.new_values[0]
     cache = kv.view(2, nblk, bs, s.num_kv_heads, s.head_size).transpose(2, 3).contiguous()

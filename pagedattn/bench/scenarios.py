@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedattn import paging
+
 ATTENTION_KINDS = ("decode", "prefill", "mixed")
 KINDS = ATTENTION_KINDS + ("reshape_and_cache",)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -303,23 +305,19 @@ def build_inputs(scenario: Scenario, copies: int, *, seed: int = 0) -> ScenarioI
     gen = torch.Generator().manual_seed(seed)
     s = scenario
     bs = s.block_size
-    blocks_per_req = [-(-n // bs) for n in s.seq_lens]
+    blocks_per_req = [paging.cdiv(n, bs) for n in s.seq_lens]
     per_copy = sum(blocks_per_req)
     num_blocks = 1 + per_copy * copies  # block 0 reserved
     shape = (2, num_blocks, s.num_kv_heads, bs, s.head_size)
     kv_cache = _random_fill(shape, s.torch_dtype, gen)
 
-    physical = torch.randperm(num_blocks - 1, generator=gen) + 1
-    max_blocks = max(blocks_per_req)
+    physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     block_tables = []
     for c in range(copies):
-        mine = physical[c * per_copy:(c + 1) * per_copy].to(torch.int32)
-        table = torch.zeros(s.batch, max_blocks, dtype=torch.int32)
-        start = 0
-        for r, n in enumerate(blocks_per_req):
-            table[r, :n] = mine[start:start + n]
-            start += n
-        block_tables.append(table)
+        # Copy c's requests take consecutive runs of its share of the shuffled pool.
+        runs = paging.contiguous_block_tables(s.seq_lens, bs, first_block=c * per_copy)
+        block_tables.append(paging.pad_block_tables(
+            [[physical[i] for i in run] for run in runs]))
 
     query_lens = torch.tensor(s.query_lens, dtype=torch.int32)
     query_start_loc = torch.zeros(s.batch + 1, dtype=torch.int32)
@@ -335,21 +333,12 @@ def build_inputs(scenario: Scenario, copies: int, *, seed: int = 0) -> ScenarioI
     )
     if s.kind == "reshape_and_cache":
         for table in block_tables:
-            inputs.slot_mappings.append(_slots_of_new_tokens(s, table))
+            inputs.slot_mappings.append(paging.slot_mapping_for_new_tokens(
+                table, s.query_lens, s.seq_lens, bs))
             kv = _random_fill((2, s.num_tokens, s.num_kv_heads, s.head_size), s.torch_dtype, gen)
             inputs.new_keys.append(kv[0])
             inputs.new_values.append(kv[1])
     return inputs
-
-
-def _slots_of_new_tokens(s: Scenario, block_table: torch.Tensor) -> torch.Tensor:
-    """int64 slot of every new token: ``block_table[r, pos // bs] * bs + pos % bs``."""
-    slots = []
-    for r, (kv_len, q_len) in enumerate(zip(s.seq_lens, s.query_lens)):
-        pos = torch.arange(kv_len - q_len, kv_len)
-        blocks = block_table[r, pos // s.block_size].to(torch.int64)
-        slots.append(blocks * s.block_size + pos % s.block_size)
-    return torch.cat(slots)
 
 
 def contiguous_kv(inputs: ScenarioInputs, copy: int, request_ids: list[int] | None = None
@@ -362,7 +351,7 @@ def contiguous_kv(inputs: ScenarioInputs, copy: int, request_ids: list[int] | No
     if len(lens) != 1:
         raise ValueError(f"contiguous_kv needs equal seq_lens, got {sorted(lens)}")
     kv_len = lens.pop()
-    nblk = -(-kv_len // s.block_size)
+    nblk = paging.cdiv(kv_len, s.block_size)
     table = inputs.block_tables[copy][ids, :nblk].to(torch.int64)
     out = []
     for cache in (inputs.key_cache, inputs.value_cache):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from pagedattn import paging
 from pagedattn.bench.contenders import Contender, Prepared, register
 from pagedattn.bench.scenarios import ATTENTION_KINDS, ScenarioInputs
 
@@ -217,7 +218,8 @@ class VllmContender(Contender):
                 write(inputs.new_keys[copy], inputs.new_values[copy], inputs.slot_mappings[copy])
 
             def poison(copy: int) -> None:
-                raw[inputs.slot_mappings[copy] // s.block_size] = float("nan")
+                blocks, _ = paging.split_slots(inputs.slot_mappings[copy], s.block_size)
+                raw[blocks] = float("nan")
 
             def attend(copy: int, query: torch.Tensor) -> torch.Tensor:
                 qsl = torch.tensor([0, 1], dtype=torch.int32)

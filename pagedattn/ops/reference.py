@@ -1,6 +1,6 @@
 """Pure-PyTorch reference of every pagedattn op.
 
-This module *defines* the semantics of SPEC.md ("Attention semantics") for every kernel:
+This module implements ``docs/semantics.md`` (the attention semantics) for every kernel:
 tests compare kernels against it, and ``pagedattn.ops`` falls back to it when the native
 extension is missing. It is written for clarity, one request at a time, in float32.
 
@@ -26,6 +26,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+
+from pagedattn import paging
 
 Layout = Literal["cpu", "flash"]
 _LAYOUTS = ("cpu", "flash")
@@ -98,8 +100,7 @@ def reshape_and_cache(
             f"{block_size} (max slot {num_blocks * block_size - 1})"
         )
     tokens = torch.nonzero(valid).flatten()
-    blocks = slots[tokens] // block_size
-    offsets = slots[tokens] % block_size
+    blocks, offsets = paging.split_slots(slots[tokens], block_size)
     for src, cache in ((key, key_cache), (value, value_cache)):
         rows = src[:n][tokens].to(cache.dtype)
         if layout == "cpu":
@@ -113,9 +114,8 @@ def _gather_request_kv(
 ) -> torch.Tensor:
     """Keys (or values) ``0..kv_len-1`` of one request, ``[kv_len, num_kv_heads, hs]``."""
     _, _, block_size, _ = _cache_geometry(cache, layout)
-    positions = torch.arange(kv_len)
-    blocks = block_table_row[positions // block_size].to(torch.int64)
-    offsets = positions % block_size
+    blocks, offsets = paging.blocks_and_offsets(block_table_row, torch.arange(kv_len),
+                                                block_size)
     if layout == "cpu":
         return cache[blocks, :, offsets, :]
     return cache[blocks, offsets, :, :]
@@ -246,7 +246,7 @@ def _check_attention_args(
             raise ValueError(f"query_start_loc must be non-decreasing, request {r} has {q_len}")
         if kv_len < q_len:
             raise ValueError(f"seq_lens[{r}] ({kv_len}) must be >= query length ({q_len})")
-        needed = -(-kv_len // block_size)
+        needed = paging.cdiv(kv_len, block_size)
         if needed > block_table.shape[1]:
             raise ValueError(
                 f"request {r} needs {needed} blocks for seq_len {kv_len}, block_table has "
