@@ -1,4 +1,5 @@
-"""Minimal batch structures that the helpers in :mod:`pagedattn.backends.utils` read.
+"""Stand-in model-runner and scheduler types that the v0 helpers of
+:mod:`pagedattn.compat.vllm_v0` (re-exported by :mod:`pagedattn.backends.utils`) read.
 
 vLLM drives those helpers with objects from its model runner and scheduler
 (``ModelInputForGPUBuilder.InterDataForSeqGroup``, ``ModelRunnerBase``, the v1
@@ -24,15 +25,33 @@ import numpy as np
 import torch
 
 
+def _is_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not _is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _check_int_list(name: str, values: Any, minimum: int) -> None:
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-            raise ValueError(f"{name}[{i}] must be an int >= {minimum}, got {v!r}")
+        _check_int(f"{name}[{i}]", v, minimum)
+
+
+def is_all_encoder_attn_metadata_set(attn_metadata: Any) -> bool:
+    """All metadata encoder attention needs is set."""
+    return (attn_metadata.encoder_seq_lens is not None
+            and attn_metadata.encoder_seq_lens_tensor is not None
+            and attn_metadata.max_encoder_seq_len is not None)
+
+
+def is_all_cross_attn_metadata_set(attn_metadata: Any) -> bool:
+    """All metadata cross attention needs is set: the encoder's (read through the
+    metadata's own ``is_all_encoder_attn_metadata_set``) plus the cross cache map."""
+    return (attn_metadata.is_all_encoder_attn_metadata_set
+            and attn_metadata.cross_slot_mapping is not None
+            and attn_metadata.cross_block_tables is not None)
 
 
 # --------------------------------------------------------------------------------------
@@ -251,15 +270,11 @@ class PrefillDecodeMetadata:
 
     @property
     def is_all_encoder_attn_metadata_set(self) -> bool:
-        return (self.encoder_seq_lens is not None
-                and self.encoder_seq_lens_tensor is not None
-                and self.max_encoder_seq_len is not None)
+        return is_all_encoder_attn_metadata_set(self)
 
     @property
     def is_all_cross_attn_metadata_set(self) -> bool:
-        return (self.is_all_encoder_attn_metadata_set
-                and self.cross_slot_mapping is not None
-                and self.cross_block_tables is not None)
+        return is_all_cross_attn_metadata_set(self)
 
     def _encoder_fields(self) -> dict[str, Any]:
         return dict(
