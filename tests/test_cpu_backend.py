@@ -8,13 +8,16 @@ attends, exactly as one model step does.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedattn import ops
 from pagedattn.backend import AttentionType, CommonAttentionMetadata
+from pagedattn.backends import cpu_attn
 from pagedattn.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -23,9 +26,12 @@ from pagedattn.backends.cpu_attn import (
 from pagedattn.config import CacheConfig, EngineConfig, ModelConfig
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
 from pagedattn.ops import reference as ref
+from pagedattn.ops.isa import IsaHint
 from pagedattn.testing import TOLERANCES, BatchSpec, make_paged_batch
 
 H, HKV, D = 8, 2, 64
+FP32_TOL = dict(zip(("atol", "rtol"), TOLERANCES[torch.float32]))
+BF16_TOL = dict(zip(("atol", "rtol"), TOLERANCES[torch.bfloat16]))
 
 BATCHES = {
     "decode": BatchSpec("decode", (40, 1, 77), (1, 1, 1)),
@@ -128,7 +134,7 @@ def test_sdpa_prefill_path_matches_reference(feature):
     output = torch.full_like(batch.query, math.nan)
     impl.forward(None, batch.query, batch.new_keys, batch.new_values,
                  context_only_kv_cache(batch), metadata, output=output)
-    torch.testing.assert_close(output, reference_for(impl, batch), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(output, reference_for(impl, batch), **FP32_TOL)
 
 
 def test_sdpa_prefill_is_declined_when_prefills_have_context():
@@ -155,7 +161,7 @@ def test_encoder_attention_is_bidirectional_and_cache_free(attn_type, feature):
     output = torch.full_like(batch.query, math.nan)
     impl.forward(None, batch.query, batch.new_keys, batch.new_values, poisoned_cache, metadata, output=output)
     want = reference_for(impl, batch, causal=False)
-    torch.testing.assert_close(output, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(output, want, **FP32_TOL)
     if feature == "window":
         expected = (23, 23) if attn_type == AttentionType.ENCODER_ONLY else (23, 0)
         assert impl.sliding_window == expected
@@ -186,7 +192,7 @@ def test_cross_attention_writes_encoder_kv_once_then_reads_the_cache():
                 q.float().transpose(0, 1), enc.keys[r].float().transpose(0, 1),
                 enc.values[r].float().transpose(0, 1), scale=impl.scale, enable_gqa=True)
             want.append(out.transpose(0, 1))
-        torch.testing.assert_close(output.float(), torch.cat(want), atol=1.6e-2, rtol=1.6e-2)
+        torch.testing.assert_close(output.float(), torch.cat(want), **BF16_TOL)
 
     # Step 1 (prefill of the decoder): the encoder's K/V arrive and are cached.
     step(dec_q_step1, dec_seq_step1, enc.new_keys, enc.new_values, enc.slot_mapping)
@@ -209,7 +215,7 @@ def test_kv_sharing_layer_does_not_write_the_cache():
     output = torch.empty_like(batch.query)
     impl.forward(None, batch.query, garbage, garbage, kv_cache, metadata, output=output)
     assert torch.equal(kv_cache.nan_to_num(0.5), before.nan_to_num(0.5))
-    torch.testing.assert_close(output, reference_for(impl, batch), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(output, reference_for(impl, batch), **FP32_TOL)
 
 
 def test_warm_up_call_without_metadata_leaves_output_untouched():
@@ -257,11 +263,34 @@ def test_backend_class_contract():
         "head_size not supported", "kv_cache_dtype not supported", "block_size not supported"]
 
 
-@pytest.mark.parametrize("block_size, hint", [(16, "vec16"), (32, "vec"), (128, "vec")])
+@pytest.mark.skipif(ops.on_arm(), reason="on Arm every block size runs the neon variant")
+@pytest.mark.parametrize("block_size, hint", [(16, IsaHint.VEC16), (32, IsaHint.VEC),
+                                              (128, IsaHint.VEC)])
 def test_builder_picks_hint_and_decode_first_threshold(block_size, hint):
+    # fp32: the amx variant (bf16 only) is not a candidate, whatever this CPU has.
     batch = make_paged_batch(BATCHES["decode"], num_heads=H, num_kv_heads=HKV, head_size=D,
-                             block_size=block_size, dtype=torch.bfloat16)
-    builder, metadata = build_metadata(batch, torch.bfloat16, block_size)
+                             block_size=block_size, dtype=torch.float32)
+    builder, metadata = build_metadata(batch, torch.float32, block_size)
     assert builder.reorder_batch_threshold == 1
-    assert metadata.isa == hint
+    assert metadata.isa is hint  # the enum member, parsed once by the builder
     assert metadata.scheduler_metadata is not None
+
+
+def test_metadata_is_frozen_and_sdpa_biases_live_with_the_step():
+    batch = make_paged_batch(BatchSpec("fresh", (40, 23), (40, 23)), num_heads=H,
+                             num_kv_heads=HKV, head_size=D, block_size=16, dtype=torch.float32)
+    _, metadata = build_metadata(batch, torch.float32, 16, use_sdpa_prefill=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        metadata.use_sdpa_prefill = False
+    layers = [make_impl(alibi=True), make_impl(alibi=True)]  # same config: one bias per length
+    for impl in layers:
+        output = torch.empty_like(batch.query)
+        impl.forward(None, batch.query, batch.new_keys, batch.new_values,
+                     context_only_kv_cache(batch), metadata, output=output)
+        torch.testing.assert_close(output, reference_for(impl, batch), **FP32_TOL)
+    biases = cpu_attn._SDPA_BIASES[metadata]
+    assert sorted(key[1] for key in biases) == [23, 40]
+    steps_cached = len(cpu_attn._SDPA_BIASES)
+    del metadata, biases
+    gc.collect()
+    assert len(cpu_attn._SDPA_BIASES) == steps_cached - 1  # dropped with the step's plan

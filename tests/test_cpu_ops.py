@@ -12,7 +12,6 @@ import ctypes
 import ctypes.util
 import functools
 import math
-import platform
 import threading
 
 try:
@@ -25,24 +24,13 @@ import torch
 
 from pagedattn import ops
 from pagedattn.ops import reference as ref
-from pagedattn.ops.isa import ARM_PREFERENCE, X86_PREFERENCE
+from pagedattn.backends.cpu_attn import select_isa_hint
 from pagedattn.testing import BATCH_SPECS, TOLERANCES, BatchSpec, make_paged_batch
 
 pytestmark = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The instruction sets of this machine's architecture family; the ones this particular
-# CPU lacks (e.g. AVX512-BF16 on an older x86) are skipped by capability.
-ISAS = list(ARM_PREFERENCE if platform.machine().lower() in ("arm64", "aarch64") else X86_PREFERENCE)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Run the test under one instruction set; skip those this CPU cannot execute."""
-    if request.param not in {i.value for i in ops.supported_cpu_isas()}:
-        pytest.skip(f"this CPU cannot execute {request.param}")
-    with ops.use_cpu_isa(request.param):
-        yield request.param
+# `isa` (tests/conftest.py) runs a test under each instruction set of this machine.
 
 
 FEATURES = {
@@ -82,7 +70,7 @@ def feature_args(feature: str, num_heads: int, head_size: int) -> dict:
 def run_native(batch, args, *, block_size, enable_kv_split=True, hint=None):
     num_heads, head_size = batch.query.shape[1:]
     num_kv_heads = batch.key_cache.shape[1]
-    hint = hint or ops.select_cpu_isa_hint(block_size, batch.query.dtype)
+    hint = hint or select_isa_hint(block_size, batch.query.dtype)
     window = args["sliding_window"]
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(batch.spec.seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -303,7 +291,7 @@ def test_reshape_and_cache_matches_reference(isa, block_size, dtype_name):
     want_v = torch.zeros_like(batch.value_cache)
     got_k, got_v = want_k.clone(), want_v.clone()
     ref.cpu_attn_reshape_and_cache(key, value, want_k, want_v, slots)
-    hint = ops.select_cpu_isa_hint(block_size, batch.query.dtype)
+    hint = select_isa_hint(block_size, batch.query.dtype)
     ops.cpu_attn_reshape_and_cache(key, value, got_k, got_v, slots, hint)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
@@ -318,7 +306,7 @@ def test_cache_then_attend_equals_reference_end_to_end(isa):
         (batch.block_table[r, torch.arange(n) // 32].long() * 32 + torch.arange(n) % 32)
         for r, n in enumerate(batch.spec.seq_lens)
     ])
-    hint = ops.select_cpu_isa_hint(32, torch.bfloat16)
+    hint = select_isa_hint(32, torch.bfloat16)
     ops.cpu_attn_reshape_and_cache(torch.cat(batch.keys), torch.cat(batch.values),
                                    key_cache, value_cache, all_slots, hint)
     rebuilt = type(batch)(**{**batch.__dict__, "key_cache": key_cache, "value_cache": value_cache})

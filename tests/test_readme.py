@@ -5,7 +5,9 @@ import re
 
 import torch
 
+from pagedattn import ops
 from pagedattn.ops import reference as ref
+from pagedattn.testing import TOLERANCES
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -22,5 +24,7 @@ def test_readme_python_example_runs_and_is_correct():
         common.seq_lens, common.block_table_tensor, scale=128 ** -0.5,
     )
     # Request 0's 39 context tokens were never written (zeros): still a valid attention.
-    torch.testing.assert_close(out.float(), want, atol=1.6e-2, rtol=1.6e-2)
-    assert metadata.isa == "vec"
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol)
+    # Which kernel variant the backend picks depends on the CPU (AMX, Arm): any usable one.
+    assert metadata.isa in ops.usable_isa_hints()

@@ -17,13 +17,14 @@ Paths in ``forward``:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from pagedattn import ops
+from pagedattn import ops, paging
 from pagedattn.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -37,9 +38,26 @@ from pagedattn.backend import (
 )
 from pagedattn.config import EngineConfig
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
+from pagedattn.ops.isa import IsaHint
 from pagedattn.ops.reference import visibility_mask
 
 _SUPPORTED_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+
+
+def select_isa_hint(block_size: int, dtype: torch.dtype) -> IsaHint:
+    """The kernel variant this backend runs a cache of ``block_size`` and ``dtype`` with:
+    ``amx`` (bf16, block % 32 == 0, CPU with AMX), ``neon`` on Arm, else ``vec``
+    (block % 32 == 0) or ``vec16`` (block % 16 == 0). ValueError for other block sizes."""
+    if not (block_size == 16 or (block_size % 32 == 0 and 0 < block_size <= 256)):
+        raise ValueError(
+            f"block_size {block_size} is not supported by the CPU kernels; expected 16 or a "
+            "multiple of 32 (up to 256)"
+        )
+    if ops.on_arm():
+        return IsaHint.NEON
+    if dtype == torch.bfloat16 and block_size % 32 == 0 and ops.cpu_has_amx():
+        return IsaHint.AMX
+    return IsaHint.VEC if block_size % 32 == 0 else IsaHint.VEC16
 
 
 class CPUAttentionBackend(AttentionBackend):
@@ -100,23 +118,21 @@ class CPUAttentionBackend(AttentionBackend):
         return False
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class CPUAttentionMetadata:
-    """One step's plan for CPU_ATTN, shared by every layer of the step.
+    """One step's plan for CPU_ATTN, shared (read-only) by every layer of the step.
 
     Tensors are on the CPU. When ``use_sdpa_prefill`` is set, the kernel fields
     (``query_start_loc``, ``seq_lens``, ``block_table``, ``scheduler_metadata``) cover
     only the first ``num_decodes`` requests, and ``sdpa_start_loc`` the prefills.
     """
 
-    isa: str
-    """Kernel variant hint passed to the native ops (``vec``, ``vec16``, ``amx``, ``neon``)."""
+    isa: IsaHint
+    """Kernel variant passed to the native ops, chosen once by :func:`select_isa_hint`."""
     num_actual_tokens: int
     """Real query tokens of the step (rows past it are padding)."""
-    max_query_len: int
     query_start_loc: torch.Tensor
     """int32 ``[num_kernel_reqs + 1]``: query rows of each request run by the kernel."""
-    max_seq_len: int
     seq_lens: torch.Tensor
     """int32 ``[num_kernel_reqs]``: keys visible to each request (context + new)."""
     block_table: torch.Tensor
@@ -132,9 +148,6 @@ class CPUAttentionMetadata:
     sdpa_start_loc: torch.Tensor | None = None
     """int32 CPU ``[num_sdpa_seqs + 1]``: per-sequence rows for the SDPA path, relative
     to the first row that path receives."""
-    sdpa_attn_masks: dict = field(default_factory=dict)
-    """Dense SDPA biases per (window, alibi, causal) key, built on first use and shared
-    by the layers of the step that need the same one."""
 
     def __post_init__(self) -> None:
         if self.query_start_loc.numel() != self.seq_lens.numel() + 1:
@@ -147,14 +160,6 @@ class CPUAttentionMetadata:
                 f"block_table must have at least {self.seq_lens.numel()} rows, "
                 f"got shape {tuple(self.block_table.shape)}"
             )
-
-
-def _leading_decodes(query_lens: list[int], threshold: int) -> int:
-    """Number of requests at the front of the batch with ``query_len <= threshold``."""
-    n = 0
-    while n < len(query_lens) and query_lens[n] <= threshold:
-        n += 1
-    return n
 
 
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):
@@ -195,7 +200,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
                 f"num_heads ({self.num_heads}) must be divisible by the cache's "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
-        self.isa = ops.select_cpu_isa_hint(self.block_size, self.dtype)
+        self.isa = select_isa_hint(self.block_size, self.dtype)
 
     def build(
         self,
@@ -222,7 +227,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         num_decode_tokens, sdpa_start_loc, use_sdpa = 0, None, False
         if self.use_sdpa_prefill and causal and not self.is_cross_attention:
             query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-            num_decodes = _leading_decodes(query_lens, self.reorder_batch_threshold)
+            num_decodes = paging.num_leading_decodes(query_lens, self.reorder_batch_threshold)
             prefills_fresh = all(
                 q == s for q, s in zip(query_lens[num_decodes:], seq_lens[num_decodes:].tolist())
             )
@@ -254,9 +259,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         return CPUAttentionMetadata(
             isa=self.isa,
             num_actual_tokens=cm.num_actual_tokens,
-            max_query_len=cm.max_query_len,
             query_start_loc=query_start_loc,
-            max_seq_len=cm.max_seq_len,
             seq_lens=seq_lens,
             block_table=block_table,
             slot_mapping=cm.slot_mapping,
@@ -293,6 +296,12 @@ def _split_queries_longer_than_keys(
         torch.tensor(lens, dtype=torch.int32),
         block_table[torch.tensor(rows, dtype=torch.long)],
     )
+
+
+# Dense SDPA biases of a step, keyed by its metadata: built on first use, shared by the
+# layers that need the same one, and dropped with the step's metadata.
+_SDPA_BIASES: weakref.WeakKeyDictionary[CPUAttentionMetadata, dict] = \
+    weakref.WeakKeyDictionary()
 
 
 class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
@@ -334,6 +343,7 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         self.alibi_slopes = (
             torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
         )
+        self._alibi_key = None if alibi_slopes is None else tuple(float(a) for a in alibi_slopes)
         if self.alibi_slopes is not None and self.alibi_slopes.numel() != num_heads:
             raise ValueError(
                 f"alibi_slopes must have num_heads={num_heads} entries, got {self.alibi_slopes.numel()}"
@@ -438,12 +448,12 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         has_window = self.sliding_window != (-1, -1)
         if self.alibi_slopes is None and not has_window:
             return None
-        key = (seq_len, causal, self.sliding_window,
-               None if self.alibi_slopes is None else tuple(self.alibi_slopes.tolist()), dtype)
-        bias = attn_metadata.sdpa_attn_masks.get(key)
+        key = (self.num_heads, seq_len, causal, self.sliding_window, self._alibi_key, dtype)
+        biases = _SDPA_BIASES.setdefault(attn_metadata, {})
+        bias = biases.get(key)
         if bias is None:
             bias = self._score_bias(seq_len, causal).to(dtype)
-            attn_metadata.sdpa_attn_masks[key] = bias
+            biases[key] = bias
         return bias
 
     def _score_bias(self, seq_len: int, causal: bool) -> torch.Tensor:

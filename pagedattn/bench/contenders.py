@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from pagedattn import paging
 from pagedattn.bench.scenarios import ATTENTION_KINDS, Scenario, ScenarioInputs, contiguous_kv
 
 RunFn = Callable[[int], "torch.Tensor | None"]
@@ -100,18 +101,15 @@ def unregister(name: str) -> None:
 def natural_cache_rows(inputs: ScenarioInputs, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, copy: int) -> torch.Tensor:
     """``[2, T, nkv, d]``: the rows at copy ``copy``'s slots of natural-layout caches."""
-    bs = inputs.scenario.block_size
-    slots = inputs.slot_mappings[copy]
-    blocks, offsets = slots // bs, slots % bs
+    blocks, offsets = paging.split_slots(inputs.slot_mappings[copy], inputs.scenario.block_size)
     return torch.stack([key_cache[blocks, :, offsets], value_cache[blocks, :, offsets]])
 
 
 def poison_slots(inputs: ScenarioInputs, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, copy: int) -> None:
-    bs = inputs.scenario.block_size
-    slots = inputs.slot_mappings[copy]
+    blocks, offsets = paging.split_slots(inputs.slot_mappings[copy], inputs.scenario.block_size)
     for cache in (key_cache, value_cache):
-        cache[slots // bs, :, slots % bs] = float("nan")
+        cache[blocks, :, offsets] = float("nan")
 
 
 def _groups(s: Scenario) -> list[tuple[int, int, list[int]]]:
@@ -185,8 +183,7 @@ class PagedattnContender(Contender):
         except Exception as exc:  # the package may be mid-build: say why, don't crash
             return f"pagedattn.ops failed to import: {type(exc).__name__}: {exc}"
         missing = [n for n in ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache",
-                               "cpu_attn_get_scheduler_metadata", "select_cpu_isa_hint",
-                               "native_available") if not hasattr(ops, n)]
+                               "cpu_attn_get_scheduler_metadata", "native_available") if not hasattr(ops, n)]
         if missing:
             return f"pagedattn.ops lacks {', '.join(missing)}"
         return None
@@ -194,7 +191,9 @@ class PagedattnContender(Contender):
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
         ops = self._ops()
         s = inputs.scenario
-        isa = ops.select_cpu_isa_hint(s.block_size, s.torch_dtype)
+        from pagedattn.backends.cpu_attn import select_isa_hint
+
+        isa = select_isa_hint(s.block_size, s.torch_dtype)
         note = "" if ops.native_available() else "native extension not loaded: reference fallback"
         kc, vc = inputs.key_cache, inputs.value_cache
         if s.kind == "reshape_and_cache":

@@ -7,13 +7,14 @@ Cache layout (natural, every backend's reference can read it)::
 
 Batches are varlen: request ``r`` owns query rows ``query_start_loc[r]:query_start_loc[r+1]``
 and ``seq_lens[r]`` keys (context + new tokens); query ``i`` of it sits at absolute position
-``seq_lens[r] - q_len + i`` (SPEC.md "Attention semantics").
+``seq_lens[r] - q_len + i`` (``docs/semantics.md``).
 
 Instruction sets: the native kernels pick the best ISA of the CPU at run time
 (``avx512bf16 > avx512 > avx2 > scalar`` on x86, ``neon`` on Arm). ``PAGEDATTN_CPU_ISA``
 (read once) forces a lower one; :func:`use_cpu_isa` switches in-process (tests).
 The ``isa`` arguments take vLLM's kernel-variant hints (``vec``, ``vec16``, ``neon``,
-``amx``); :func:`select_cpu_isa_hint` picks one.
+``amx``) as strings or :class:`IsaHint` members; which one a cache gets is the backend's
+policy (:func:`pagedattn.backends.cpu_attn.select_isa_hint`).
 
 Without the native extension every op falls back to :mod:`pagedattn.ops.reference`
 (one warning).
@@ -22,6 +23,8 @@ Without the native extension every op falls back to :mod:`pagedattn.ops.referenc
 from __future__ import annotations
 
 import contextlib
+import functools
+import platform
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -39,7 +42,7 @@ from pagedattn.ops.isa import (
 
 __all__ = [
     "CpuIsa", "IsaHint", "native_available", "supported_cpu_isas", "best_cpu_isa",
-    "get_cpu_isa", "set_cpu_isa", "use_cpu_isa", "cpu_has_amx", "select_cpu_isa_hint",
+    "get_cpu_isa", "set_cpu_isa", "use_cpu_isa", "cpu_has_amx", "on_arm",
     "usable_isa_hints", "UnsupportedIsaHintError",
     "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
     "cpu_attention_with_kv_cache", "metadata_numel",
@@ -113,6 +116,7 @@ def use_cpu_isa(isa: str | CpuIsa) -> Iterator[CpuIsa]:
         set_cpu_isa(previous)
 
 
+@functools.cache
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles (the ``amx`` hint needs them)."""
     return native_available() and bool(torch.ops.pagedattn.cpu_has_amx())
@@ -123,26 +127,10 @@ def _require_native(what: str) -> None:
         raise RuntimeError(f"{what} needs the native extension: {_native.LOAD_ERROR}")
 
 
-def _on_arm() -> bool:
-    import platform
-
+@functools.cache
+def on_arm() -> bool:
+    """Whether this is an Arm (aarch64) CPU (the ``neon`` hint needs one)."""
     return platform.machine().lower() in ("aarch64", "arm64")
-
-
-def select_cpu_isa_hint(block_size: int, dtype: torch.dtype) -> str:
-    """The kernel-variant hint for a cache of ``block_size`` and ``dtype``:
-    ``amx`` (bf16, block % 32 == 0, CPU with AMX), ``neon`` on Arm, else ``vec``
-    (block % 32 == 0) or ``vec16`` (block % 16 == 0). ValueError for other block sizes."""
-    if not (block_size == 16 or (block_size % 32 == 0 and 0 < block_size <= 256)):
-        raise ValueError(
-            f"block_size {block_size} is not supported by the CPU kernels; expected 16 or a "
-            "multiple of 32 (up to 256)"
-        )
-    if _on_arm():
-        return IsaHint.NEON.value
-    if dtype == torch.bfloat16 and block_size % 32 == 0 and cpu_has_amx():
-        return IsaHint.AMX.value
-    return IsaHint.VEC.value if block_size % 32 == 0 else IsaHint.VEC16.value
 
 
 class UnsupportedIsaHintError(ValueError, NotImplementedError):
@@ -152,17 +140,25 @@ class UnsupportedIsaHintError(ValueError, NotImplementedError):
     that treat missing hardware that way."""
 
 
+@functools.cache
+def _usable_hints() -> tuple[IsaHint, ...]:
+    if on_arm():
+        return (IsaHint.NEON, IsaHint.VEC, IsaHint.VEC16)
+    hints = (IsaHint.VEC, IsaHint.VEC16)
+    return hints + (IsaHint.AMX,) if cpu_has_amx() else hints
+
+
 def usable_isa_hints() -> list[str]:
     """The hints this CPU accepts."""
-    if _on_arm():
-        return [IsaHint.NEON.value, IsaHint.VEC.value, IsaHint.VEC16.value]
-    hints = [IsaHint.VEC.value, IsaHint.VEC16.value]
-    return hints + [IsaHint.AMX.value] if cpu_has_amx() else hints
+    return [h.value for h in _usable_hints()]
 
 
 def _parse_hint(isa: str | IsaHint) -> IsaHint:
+    """The one check of an op's ``isa`` argument: a known hint (:meth:`IsaHint.parse`) that
+    this CPU can run. Metadata carries :class:`IsaHint` members, so per call this is a
+    membership test, not a string parse."""
     hint = IsaHint.parse(isa)
-    if hint.value not in usable_isa_hints():
+    if hint not in _usable_hints():
         need = "a CPU with AMX tiles" if hint is IsaHint.AMX else "an Arm (aarch64) CPU"
         valid = ", ".join(repr(h) for h in usable_isa_hints())
         raise UnsupportedIsaHintError(
