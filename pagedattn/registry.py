@@ -17,11 +17,17 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 
 from pagedattn.backend import AttentionBackend, AttentionType
-from pagedattn.config import CacheDType, DeviceCapability, current_device_capability
+from pagedattn.config import (
+    BlockSize,
+    CacheDType,
+    DeviceCapability,
+    current_device_capability,
+)
 
 BACKEND_ENV_VAR = "PAGEDATTN_BACKEND"
 
@@ -118,9 +124,9 @@ def unsupported_reasons(name: str, config: AttentionSelectorConfig) -> list[str]
         return [f"device type {config.device} not supported (needs {', '.join(entry.device_types)})"]
     try:
         cls = entry.load()
-    except Exception as exc:  # an optional dependency missing is a reason, not a crash
+    except ImportError as exc:  # an optional dependency missing is a reason, not a crash
         return [f"not importable: {type(exc).__name__}: {exc}"]
-    return cls.validate_configuration(
+    reasons = cls.validate_configuration(
         head_size=config.head_size,
         dtype=config.dtype,
         kv_cache_dtype=config.kv_cache_dtype,
@@ -132,6 +138,27 @@ def unsupported_reasons(name: str, config: AttentionSelectorConfig) -> list[str]
         device_capability=config.device_capability,
         attn_type=config.attn_type,
     )
+    return [_with_values(cls, reason, config) for reason in reasons]
+
+
+def _with_values(cls: type[AttentionBackend], reason: str, config: AttentionSelectorConfig
+                 ) -> str:
+    """The seed's reason string (kept as the first words) plus the rejected value and what
+    the backend supports, for the reasons that have both."""
+    def listing(values) -> str:
+        return ", ".join(str(v) for v in values) or "any"
+
+    if reason == "head_size not supported":
+        return f"{reason}: {config.head_size} (supported: {listing(cls.get_supported_head_sizes())})"
+    if reason == "dtype not supported":
+        return f"{reason}: {config.dtype} (supported: {listing(cls.supported_dtypes)})"
+    if reason == "kv_cache_dtype not supported":
+        return (f"{reason}: {config.kv_cache_dtype} "
+                f"(supported: {listing(cls.supported_kv_cache_dtypes)})")
+    if reason == "block_size not supported":
+        usable = [b for b in get_args(BlockSize) if cls.supports_block_size(b)]
+        return f"{reason}: {config.block_size} (supported: {listing(usable)})"
+    return reason
 
 
 def _describe(reasons: dict[str, list[str]]) -> str:

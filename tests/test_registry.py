@@ -67,8 +67,11 @@ def test_no_usable_backend_lists_every_backend_with_reasons(fake_backends):
     with pytest.raises(NoUsableBackendError) as info:
         registry.select_backend(cfg(head_size=48, dtype=torch.float32, use_mla=True))
     message = str(info.value)
-    assert "CPU_ATTN: head_size not supported, MLA not supported" in message
-    assert "FAKE_FP16: head_size not supported, dtype not supported, MLA not supported" in message
+    # The seed's reason strings come first; the registry adds the value and what is allowed.
+    assert ("CPU_ATTN: head_size not supported: 48 (supported: 32, 64, 80, 96, 112, 128, "
+            "160, 192, 224, 256), MLA not supported") in message
+    assert ("FAKE_FP16: head_size not supported: 48 (supported: 64), dtype not supported: "
+            "torch.float32 (supported: torch.float16), MLA not supported") in message
     assert "FAKE_MISSING: not importable: ModuleNotFoundError" in message
     assert "FAKE_GPU: device type cpu not supported (needs cuda)" in message
 
@@ -93,3 +96,34 @@ def test_attention_type_reason_and_bad_registrations(fake_backends):
         registry.register_backend("X", "no_colon", ("cpu",))
     with pytest.raises(ValueError, match="invalid AttentionType 'cross'"):
         cfg(attn_type="cross")
+
+
+class _Block32Backend(_FakeBackend):
+    @staticmethod
+    def get_supported_kernel_block_sizes():
+        return [32]
+
+
+def test_block_size_and_cache_dtype_reasons_name_the_value_and_the_supported_set(fake_backends):
+    registry.register_backend("FAKE_BLOCK32", f"{__name__}:_Block32Backend", ("cpu",))
+    reasons = registry.unsupported_reasons("FAKE_BLOCK32", cfg(block_size=16, kv_cache_dtype="fp8"))
+    assert reasons == [
+        "kv_cache_dtype not supported: fp8 (supported: auto)",
+        "block_size not supported: 16 (supported: 32, 64, 128, 256)",
+    ]
+
+
+class _BrokenBackend(_FakeBackend):
+    @classmethod
+    def validate_configuration(cls, **kwargs):
+        raise ZeroDivisionError("a bug in the backend's checks")
+
+
+def test_a_bug_in_a_backend_surfaces_instead_of_becoming_a_reason(fake_backends):
+    registry.register_backend("FAKE_BROKEN", f"{__name__}:_BrokenBackend", ("cpu",))
+    with pytest.raises(ZeroDivisionError, match="a bug in the backend's checks"):
+        registry.unsupported_reasons("FAKE_BROKEN", cfg())
+    # A class path naming no class is a registration bug, not a missing dependency.
+    registry.register_backend("FAKE_TYPO", f"{__name__}:_NoSuchClass", ("cpu",))
+    with pytest.raises(AttributeError, match="_NoSuchClass"):
+        registry.unsupported_reasons("FAKE_TYPO", cfg())
