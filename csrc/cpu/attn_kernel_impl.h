@@ -11,54 +11,10 @@
 // Per key block:  S = Q.K^T (fp32) -> scale, softcap, ALiBi, mask -> online softmax
 // (running max m, sum l, rescaled accumulators) -> acc += P.V.
 
-// Where the time goes (Zen 4 EPYC, 2 cores, bf16 32q/8kv heads x 128, block 32; perf record
-// + side-by-side runs against vLLM 0.32's CPU kernels and a torch.sum stream probe):
-// - Decode is DRAM bound once it is lean. B8/ctx2048: 2 threads ~23-26 GB/s vs stream
-//   ~27-31 GB/s (t/stream 1.1-1.25; 1 thread ~13-14.5 vs ~17-20). What got it there:
-//   * q.k was a third of the compute: GCC 12 bounced every key chunk cast to __m512bh
-//     through a stack slot, and each query row re-read the keys. Loading chunks as values
-//     and scoring two rows per key pass took hot-cache decode from ~17.5 to ~23.5 GB/s per
-//     core; q.k and P.V vdpbf16ps are now about equal shares.
-//   * With KV from DRAM, ~40% of the cycles sat on prefetcht1 waiting for a miss buffer:
-//     a core keeps only a couple of dozen misses in flight, and the old per-dot-group bursts
-//     (33-66 lines) stalled on them. Ticking the next step's lines evenly through q.k and
-//     P.V, 16 KiB ahead (PrefetchCursor), was worth +15% on 1 and 2 threads. Hardware
-//     prefetchers alone lose the stream at every scattered 4 KiB page (no sw prefetch: -30%).
-//   * Reading each block as one contiguous run over all kv heads (WorkItem::kv_heads):
-//     +15-25% over per-head 8 KiB pieces.
-//   * 4 KiB pages: the same decode on 2 MiB pages ran +10-20% faster. The pool dwarfs the
-//     TLB's reach, so each page's first (prefetch) access waited on a page walk while
-//     holding a miss slot. Touching one line per page ~64 KiB ahead (touch_pages) gets
-//     the huge-page speed back: 1 thread +20-30%, 2 threads +5-12%.
-//   * The reduction of q.k lane sums was called out of line (its 16 inputs spilled);
-//     inlined, plus the softmax scale folded into exp's FMA: hot decode +12% per core.
-//   * Small decodes paid page faults, not math: the op's per-call scratch came back as
-//     fresh pages after other code ran (20-60 faults); a per-thread workspace
-//     (attention_ops.cpp) took B1 ctx512 in the vLLM bench from ~140 to ~90 us.
-//   Left: hot compute is ~24 GB/s per core (q.k ~50% incl. the lane reductions, P.V ~25%,
-//   softmax ~7%). Tried: four rows per key pass with the rows in 128-bit lanes (q as
-//   [D/8][row][8], the key's 8 dims broadcast), which folds each (row, key) sum in-lane
-//   instead of by a 16-vector cross-lane reduction -- same speed hot and from DRAM: the
-//   reductions already overlap the vdpbf16ps, and vbroadcasti32x4 loads cost as much.
-//   1 thread streams ~15-17 GB/s from DRAM where torch.sum gets ~25-29, but
-//   this VM's torch.sum scales only ~1.15-1.25x from 1 to 2 threads, so 2 threads of a
-//   DRAM-bound decode (~25-30 GB/s) cannot reach 1.8x of 1 thread here.
-// - Prefill items (>= 16 rows of one kv head) on AVX-512 take PrefillItem, the rows-in-lanes
-//   kernel of prefill_lanes_avx512.h (bf16 and fp32): this generic path spent its
-//   non-dot-product time on q.k lane reductions and per-row softmax bookkeeping and reached
-//   ~237 GFLOP/s bf16 / ~150 fp32 (1x2048 causal, 2 threads). Rows in lanes: bf16 1x2048
-//   ~310-320 GFLOP/s (~75% of the ~420 vdpbf16ps peak), 4x512 ~290, mixed (16 decodes @2048
-//   + a 512-token chunk) ~300; vLLM 0.32 on the same inputs 150-160, i.e. ~2.0x. fp32
-//   1x2048 ~185, 4x512 ~170 (a core's FMA peak is ~116 GFLOP/s; vLLM 177-182 / 155-165,
-//   i.e. ~1.03-1.06x). perf: fp32 spent ~30% on a separate vbroadcastss per key/value
-//   element (then an lea per FMA): embedded {1to16} broadcasts with base+index operands
-//   (fma_bcast) lifted the FMA share of cycles from ~44% to ~79%. The rest is softmax
-//   (exp), cold Q reads and output writes (~7% + ~3% at 4x512 fp32). Tried without a
-//   measurable gain: a 12-op exp with vscalefps, 12-row P.V tiles (fp32 ~5% slower),
-//   prefetching the next item's Q rows / this item's output lines from the scheduler.
-// - AVX2 prefill items (>= 8 rows) take prefill_lanes_avx2.h, the same layout in 8 lanes and
-//   fp32: 4x512 causal bf16 ~104 -> ~138 GFLOP/s, fp32 ~116 -> ~152, 1.6-1.7x vLLM's AVX2
-//   build. With 16 registers, 6 x 2 accumulator tiles beat 4 x 2 (FMA latency) and 4 x 3.
+// Decode items stream each K/V block once per GQA group with software prefetch a step
+// ahead and page touches further ahead; prefill items of >= 16 rows (8 on AVX2) take the
+// rows-in-lanes kernels of prefill_lanes_avx512.h / prefill_lanes_avx2.h. Measurements,
+// profiles and what was tried: docs/performance.md.
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

@@ -131,7 +131,7 @@ Batch make_batch(const Case& c, std::mt19937& rng) {
   return b;
 }
 
-// fp64 attention of query (token t, head h), straight from the SPEC.md definition.
+// fp64 attention of query (token t, head h), straight from docs/semantics.md.
 void reference_row(const Case& c, const Batch& b, int r, int t, int h, double* out) {
   const int q_len = c.q_lens[r], kv_len = c.seq_lens[r], d = c.head_size;
   const int kvh = h / (c.num_heads / c.num_kv_heads);
