@@ -5,9 +5,10 @@
   ``ops.use_cpu_isa``; the ones this CPU cannot execute are skipped with the reason. It is
   the one way tests iterate ISAs (``PAGEDATTN_CPU_ISA`` is covered by its own subprocess
   test).
-- ``tolerances``: the per-dtype (atol, rtol) table for kernels vs the fp32 reference
-  (:data:`pagedattn.testing.TOLERANCES`, also what the benchmarks check with).
-- ``batch_spec``: each named batch shape of :data:`pagedattn.testing.BATCH_SPECS`.
+
+The data the tests share with the benchmarks live in :mod:`pagedattn.testing`, one copy
+each: the per-dtype (atol, rtol) table for kernels vs the fp32 reference
+(``TOLERANCES``) and the named batch shapes (``BATCH_SPECS``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import pytest
 
 from pagedattn import ops
 from pagedattn.ops.isa import ARM_PREFERENCE, X86_PREFERENCE
-from pagedattn.testing import BATCH_SPECS, TOLERANCES
 
 ISAS = list(ARM_PREFERENCE if platform.machine().lower() in ("arm64", "aarch64")
             else X86_PREFERENCE)
@@ -34,13 +34,3 @@ def isa(request):
                     "is not built)")
     with ops.use_cpu_isa(request.param):
         yield request.param
-
-
-@pytest.fixture
-def tolerances():
-    return TOLERANCES
-
-
-@pytest.fixture(params=list(BATCH_SPECS))
-def batch_spec(request):
-    return BATCH_SPECS[request.param]

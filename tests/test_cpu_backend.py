@@ -27,19 +27,12 @@ from pagedattn.config import CacheConfig, EngineConfig, ModelConfig
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
 from pagedattn.ops import reference as ref
 from pagedattn.ops.isa import IsaHint
-from pagedattn.testing import TOLERANCES, BatchSpec, make_paged_batch
+from pagedattn.testing import BATCH_SPECS, TOLERANCES, BatchSpec, make_paged_batch
 
 H, HKV, D = 8, 2, 64
 FP32_TOL = dict(zip(("atol", "rtol"), TOLERANCES[torch.float32]))
 BF16_TOL = dict(zip(("atol", "rtol"), TOLERANCES[torch.bfloat16]))
 
-BATCHES = {
-    "decode": BatchSpec("decode", (40, 1, 77), (1, 1, 1)),
-    "prefill": BatchSpec("prefill", (50, 20), (50, 20)),
-    "chunked_prefill": BatchSpec("chunked_prefill", (90, 61), (30, 61)),
-    "mixed": BatchSpec("mixed", (70, 33, 101, 64), (1, 1, 37, 64)),
-    "spec_decode": BatchSpec("spec_decode", (45, 80), (3, 2)),
-}
 FEATURES = {
     "plain": dict(),
     "window": dict(sliding_window=24),
@@ -101,10 +94,10 @@ def build_metadata(batch, dtype, block_size, sliding_window=None, use_sdpa_prefi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("batch_name", BATCHES)
+@pytest.mark.parametrize("batch_name", BATCH_SPECS)
 def test_decoder_forward_writes_cache_and_matches_reference(batch_name, feature, dtype):
     block_size = 16
-    batch = make_paged_batch(BATCHES[batch_name], num_heads=H, num_kv_heads=HKV, head_size=D,
+    batch = make_paged_batch(BATCH_SPECS[batch_name], num_heads=H, num_kv_heads=HKV, head_size=D,
                              block_size=block_size, dtype=dtype, seed=1)
     impl = make_impl(**FEATURES[feature])
     _, metadata = build_metadata(batch, dtype, block_size, FEATURES[feature].get("sliding_window"))
@@ -138,11 +131,11 @@ def test_sdpa_prefill_path_matches_reference(feature):
 
 
 def test_sdpa_prefill_is_declined_when_prefills_have_context():
-    batch = make_paged_batch(BATCHES["mixed"], num_heads=H, num_kv_heads=HKV, head_size=D,
+    batch = make_paged_batch(BATCH_SPECS["mixed"], num_heads=H, num_kv_heads=HKV, head_size=D,
                              block_size=16, dtype=torch.float32)
     _, metadata = build_metadata(batch, torch.float32, 16, use_sdpa_prefill=True)
-    assert not metadata.use_sdpa_prefill  # request 2 has 64 tokens of context
-    assert metadata.seq_lens.tolist() == list(BATCHES["mixed"].seq_lens)
+    assert not metadata.use_sdpa_prefill  # request 2 has 126 tokens of context
+    assert metadata.seq_lens.tolist() == list(BATCH_SPECS["mixed"].seq_lens)
 
 
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER])
@@ -205,7 +198,7 @@ def test_cross_attention_writes_encoder_kv_once_then_reads_the_cache():
 
 
 def test_kv_sharing_layer_does_not_write_the_cache():
-    batch = make_paged_batch(BATCHES["mixed"], num_heads=H, num_kv_heads=HKV, head_size=D,
+    batch = make_paged_batch(BATCH_SPECS["mixed"], num_heads=H, num_kv_heads=HKV, head_size=D,
                              block_size=16, dtype=torch.float32)
     _, metadata = build_metadata(batch, torch.float32, 16)
     impl = make_impl(kv_sharing_target_layer_name="layers.0.attn")
@@ -268,7 +261,7 @@ def test_backend_class_contract():
                                               (128, IsaHint.VEC)])
 def test_builder_picks_hint_and_decode_first_threshold(block_size, hint):
     # fp32: the amx variant (bf16 only) is not a candidate, whatever this CPU has.
-    batch = make_paged_batch(BATCHES["decode"], num_heads=H, num_kv_heads=HKV, head_size=D,
+    batch = make_paged_batch(BATCH_SPECS["decode"], num_heads=H, num_kv_heads=HKV, head_size=D,
                              block_size=block_size, dtype=torch.float32)
     builder, metadata = build_metadata(batch, torch.float32, block_size)
     assert builder.reorder_batch_threshold == 1
