@@ -79,6 +79,12 @@ def _int_list(name: str, values: Any) -> list[int]:
     return out
 
 
+def _integer_tensor(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.is_floating_point() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got {t.dtype}")
+    return t.to(dtype)
+
+
 @dataclass
 class CommonAttentionMetadata:
     """Per-batch attention metadata, shared by every layer and backend of a step.
@@ -240,9 +246,7 @@ class CommonAttentionMetadata:
                     f"block_table must have shape [num_reqs={num_reqs}, max_blocks], "
                     f"got {tuple(bt.shape)}"
                 )
-            if bt.is_floating_point() or bt.dtype == torch.bool:
-                raise TypeError(f"block_table must hold integers, got {bt.dtype}")
-            bt = bt.to(torch.int32)
+            bt = _integer_tensor("block_table", bt, torch.int32)
             if block_size is not None:
                 for r, sl in enumerate(s):
                     if paging.cdiv(sl, block_size) > bt.shape[1]:
@@ -260,9 +264,7 @@ class CommonAttentionMetadata:
                     f"slot_mapping must be 1-D with at least sum(query_lens)={num_tokens} "
                     f"entries, got shape {tuple(sm.shape)}"
                 )
-            if sm.is_floating_point() or sm.dtype == torch.bool:
-                raise TypeError(f"slot_mapping must hold integers, got {sm.dtype}")
-            sm = sm.to(torch.int64)
+            sm = _integer_tensor("slot_mapping", sm, torch.int64)
 
         qsl_cpu = torch.zeros(num_reqs + 1, dtype=torch.int32)
         qsl_cpu[1:] = torch.cumsum(torch.tensor(q, dtype=torch.int32), 0)
