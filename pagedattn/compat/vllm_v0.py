@@ -29,11 +29,8 @@ from pagedattn.compat.runner_types import (
     MetadataInputBuilder,
     PrefillDecodeMetadata,
     SeqGroupInput,
-    is_all_cross_attn_metadata_set,
-    is_all_encoder_attn_metadata_set,
 )
 from pagedattn.compat.runner_types import _check_int as _require_int
-from pagedattn.compat.runner_types import _is_int
 
 logger = logging.getLogger(__name__)
 
