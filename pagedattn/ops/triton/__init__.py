@@ -19,6 +19,7 @@ Triton nor CUDA: the kernels are imported on first use.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Sequence
 
@@ -198,13 +199,17 @@ def reshape_and_cache_flash(
     if num_tokens == 0:
         return
     quantize = kv_cache_dtype != "auto"
-    fp8_max = float(torch.finfo(key_cache.dtype).max) if quantize else 0.0
+    # fp8 formats: largest finite value, mantissa bits (eps = 2**-bits), smallest
+    # normal exponent (tiny = 2**exp).
+    info = torch.finfo(key_cache.dtype if quantize else torch.float8_e4m3fn)
+    fp8_max = float(info.max) if quantize else 0.0
     _kernel_module().reshape_and_cache_flash_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping, k_scale_t, v_scale_t,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         num_kv_heads, head_size, block_size,
         HEADS_P=_next_pow2(num_kv_heads), HEAD_P=_next_pow2(head_size),
         QUANTIZE=quantize, FP8_MAX=fp8_max,
+        FP8_MANTISSA_BITS=-int(math.log2(info.eps)), FP8_MIN_NORMAL_EXP=int(math.log2(info.tiny)),
     )
 
 

@@ -17,6 +17,21 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
+def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even on the grid of an fp8 format, so the cast that
+    follows is exact. The hardware cast rounds the same way; the interpreter's does
+    not (it rounds ties up and drops the carry into the exponent), and this keeps both
+    identical. Rounding adds and removes ``1.5 * 2**23 * ulp``: the sum then has a
+    spacing of exactly ``ulp``."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_NORMAL_EXP)
+    ulp = ((exponent - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    magic = ulp * 12582912.0
+    rounded = (x + magic) - magic
+    return tl.where(rounded == 0.0, x * 0.0, rounded)  # keep the sign of zero
+
+
+@triton.jit
 def reshape_and_cache_flash_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     k_scale_ptr, v_scale_ptr,
@@ -26,7 +41,8 @@ def reshape_and_cache_flash_kernel(
     stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d,
     num_kv_heads, head_size, block_size,
     HEADS_P: tl.constexpr, HEAD_P: tl.constexpr,
-    QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+    QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_NORMAL_EXP: tl.constexpr,
 ):
     """One program per token: copy its ``[num_kv_heads, head_size]`` key and value
     into their slot; a negative slot (PAD_SLOT_ID) writes nothing."""
@@ -48,8 +64,10 @@ def reshape_and_cache_flash_kernel(
         # Saturate explicitly: a plain cast overflows (compiled: to NaN/inf; the
         # interpreter wraps around).
         key = key.to(tl.float32) / tl.load(k_scale_ptr).to(tl.float32)
+        key = _round_to_fp8_grid(key, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
         key = tl.minimum(tl.maximum(key, -FP8_MAX), FP8_MAX)
         value = value.to(tl.float32) / tl.load(v_scale_ptr).to(tl.float32)
+        value = _round_to_fp8_grid(value, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
         value = tl.minimum(tl.maximum(value, -FP8_MAX), FP8_MAX)
     tl.store(key_cache_ptr + block * stride_kc_b + offset * stride_kc_o + heads * stride_kc_h
              + dims * stride_kc_d, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
