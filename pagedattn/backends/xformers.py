@@ -287,7 +287,7 @@ class XFormersAttentionMetadataBuilder(AttentionMetadataBuilder[XFormersAttentio
             qsl_cpu = cm.query_start_loc_cpu[: num_decodes + 1]
             bias = self._mask_cls.from_seqlens(
                 q_seqlen=torch.diff(qsl_cpu).tolist(),
-                kv_seqlen=cm.seq_lens_cpu[:num_decodes].tolist(),
+                kv_seqlen=kv_seqlens[:num_decodes].tolist(),
                 page_size=self.block_size,
                 block_tables=block_table[:num_decodes],
                 device=block_table.device,
