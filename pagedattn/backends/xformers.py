@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
@@ -55,6 +56,11 @@ _SUPPORTED_HEAD_SIZES = list(range(32, 257, 8))
 def _xformers_import_problem() -> str | None:
     if not XFORMERS_AVAILABLE:
         return "xformers is not installed (pip install --no-deps xformers)"
+    # xformers logs a multi-line warning when its C++/CUDA library does not match this
+    # torch; xformers_problems() reports that as a one-line reason instead.
+    xformers_logger = logging.getLogger("xformers")
+    previous_level = xformers_logger.level
+    xformers_logger.setLevel(logging.ERROR)
     try:
         import xformers  # noqa: F401
         import xformers.ops  # noqa: F401
@@ -63,6 +69,8 @@ def _xformers_import_problem() -> str | None:
         )
     except Exception as exc:  # a broken install is a reason, not a crash
         return f"xformers is not importable: {type(exc).__name__}: {exc}"
+    finally:
+        xformers_logger.setLevel(previous_level)
     return None
 
 
@@ -77,7 +85,8 @@ def xformers_problems(device_capability: DeviceCapability | None = None) -> list
 
     if not getattr(xformers, "_has_cpp_library", False):
         reasons.append("xformers' C++/CUDA kernels did not load (the wheel was built for "
-                       "another torch/CUDA)")
+                       "another torch/CUDA; XFORMERS_MORE_DETAILS=1 python -c 'import "
+                       "xformers.ops' says more)")
     cpu = device_capability is not None and tuple(device_capability) == (0, 0)
     if cpu or not torch.cuda.is_available():
         reasons.append("xformers' paged decode kernel needs a CUDA GPU")
