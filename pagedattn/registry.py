@@ -120,13 +120,17 @@ def get_backend_cls(name: str) -> type[AttentionBackend]:
 def unsupported_reasons(name: str, config: AttentionSelectorConfig) -> list[str]:
     """Why backend ``name`` cannot run ``config`` (empty list = it can)."""
     entry = _entry(name)
+    reasons = []
     if config.device not in entry.device_types:
-        return [f"device type {config.device} not supported (needs {', '.join(entry.device_types)})"]
+        reasons.append(f"device type {config.device} not supported (needs "
+                       f"{', '.join(entry.device_types)})")
     try:
         cls = entry.load()
     except ImportError as exc:  # an optional dependency missing is a reason, not a crash
-        return [f"not importable: {type(exc).__name__}: {exc}"]
-    reasons = cls.validate_configuration(
+        return reasons + [f"not importable: {type(exc).__name__}: {exc}"]
+    # The backend's own reasons too (e.g. a missing library), so `pagedattn info` says
+    # everything that stands in the way, not only the device.
+    own = cls.validate_configuration(
         head_size=config.head_size,
         dtype=config.dtype,
         kv_cache_dtype=config.kv_cache_dtype,
@@ -138,7 +142,7 @@ def unsupported_reasons(name: str, config: AttentionSelectorConfig) -> list[str]
         device_capability=config.device_capability,
         attn_type=config.attn_type,
     )
-    return [_with_values(cls, reason, config) for reason in reasons]
+    return reasons + [_with_values(cls, reason, config) for reason in own]
 
 
 def _with_values(cls: type[AttentionBackend], reason: str, config: AttentionSelectorConfig
@@ -202,3 +206,8 @@ def default_selector_config(head_size: int, dtype: torch.dtype, **kwargs) -> Att
 
 # Priority order: the native CPU backend first on CPU; GPU backends follow.
 register_backend("CPU_ATTN", "pagedattn.backends.cpu_attn:CPUAttentionBackend", ("cpu",))
+register_backend("XFORMERS_VLLM_V1", "pagedattn.backends.xformers:XFormersAttentionBackend",
+                 ("cuda",))
+# CPU tensors too, but only under Triton's interpreter (its validate_configuration says so).
+register_backend("TRITON_ATTN", "pagedattn.backends.triton_attn:TritonAttentionBackend",
+                 ("cuda", "cpu"))

@@ -26,3 +26,12 @@ def test_module_entry_point_and_argument_errors():
     bad = subprocess.run([sys.executable, "-m", "pagedattn", "info", "--dtype", "int8"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice: 'int8'" in bad.stderr
+
+
+def test_info_lists_the_gpu_backends_with_their_reasons(capsys):
+    assert main(["info", "--dtype", "float16", "--head-size", "64"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert "device type cpu not supported (needs cuda)" in lines["XFORMERS_VLLM_V1"]
+    if not __import__("torch").cuda.is_available():
+        assert "TRITON_INTERPRET=1" in lines["TRITON_ATTN"]

@@ -1,0 +1,297 @@
+"""TRITON_ATTN: decoder attention through the Triton kernels of :mod:`pagedattn.ops.triton`.
+
+One launch of ``unified_attention`` serves the whole step — decodes, chunked prefills
+with prior context and whole prefills, in any order — so the builder neither reorders
+nor splits the batch: it only checks and packages ``CommonAttentionMetadata``.
+
+Cache: flash layout ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then
+V), in the model dtype or fp8 (``kv_cache_dtype`` ``"fp8"``/``"fp8_e4m3"``/
+``"fp8_e5m2"``, values stored as ``x / layer._k_scale``; a uint8 cache tensor is viewed
+as the fp8 dtype). Features: GQA/MQA, ALiBi, logits soft-cap, sliding window, attention
+sinks. Usable wherever Triton launches on the tensors' device: CUDA, or CPU tensors
+under ``TRITON_INTERPRET=1`` (slow; for tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from pagedattn.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    is_quantized_kv_cache,
+)
+from pagedattn.config import CacheDType, DeviceCapability, EngineConfig
+from pagedattn.kv_cache_spec import AttentionSpec
+from pagedattn.ops import triton as triton_ops
+
+
+class TritonAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
+                                                     torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
+        CacheDType.AUTO, CacheDType.FP8, CacheDType.FP8_E4M3, CacheDType.FP8_E5M2,
+    ]
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[TritonAttentionImpl]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TritonAttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, num_kv_heads, head_size)`` (K then V)."""
+        return 2, num_blocks, block_size, num_kv_heads, head_size
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+    @classmethod
+    def launch_problem(cls, device_capability: DeviceCapability) -> str | None:
+        """Why the kernels cannot launch here (a capability of (0, 0) means the CPU)."""
+        device = "cpu" if tuple(device_capability) == (0, 0) else "cuda"
+        return triton_ops.launch_problem(device)
+
+    @classmethod
+    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                               has_sink, use_sparse, use_mm_prefix, device_capability,
+                               attn_type) -> list[str]:
+        reasons = super().validate_configuration(
+            head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+            use_mm_prefix, device_capability, attn_type)
+        problem = cls.launch_problem(device_capability)
+        if problem is not None:
+            reasons.append(problem)
+        return reasons
+
+
+@dataclass(frozen=True)
+class TritonAttentionMetadata:
+    """One step's batch for TRITON_ATTN, shared by every layer of the step.
+
+    Tensors live on the device of the cache.
+    """
+
+    num_actual_tokens: int
+    """Real query tokens (rows past it are padding and are not computed)."""
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    """int32 ``[num_reqs + 1]``: request r's query rows."""
+    max_seq_len: int
+    seq_lens: torch.Tensor
+    """int32 ``[num_reqs]``: keys of each request (context + new tokens)."""
+    block_table: torch.Tensor
+    """int32 ``[num_reqs, max_blocks]``."""
+    slot_mapping: torch.Tensor
+    """int64 ``[num_actual_tokens]``: cache slot of each new token, ``-1`` = skip."""
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        num_reqs = self.seq_lens.numel()
+        if self.query_start_loc.numel() != num_reqs + 1:
+            raise ValueError(f"query_start_loc has {self.query_start_loc.numel()} entries for "
+                             f"{num_reqs} requests (expected {num_reqs + 1})")
+        if self.block_table.dim() != 2 or self.block_table.shape[0] < num_reqs:
+            raise ValueError(f"block_table must have at least {num_reqs} rows, got shape "
+                             f"{tuple(self.block_table.shape)}")
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.numel()
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
+    """Packages ``CommonAttentionMetadata`` for the unified kernel (no reorder needed:
+    one launch handles decodes and prefills in any order)."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
+                 vllm_config: EngineConfig, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TritonAttentionMetadata:
+        if common_prefix_len:
+            raise NotImplementedError(
+                f"TRITON_ATTN has no cascade attention; got common_prefix_len={common_prefix_len}")
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        return TritonAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=cm.max_query_len,
+            query_start_loc=cm.query_start_loc[: num_reqs + 1].to(torch.int32),
+            max_seq_len=cm.max_seq_len,
+            seq_lens=cm.seq_lens[:num_reqs].to(torch.int32),
+            block_table=cm.block_table_tensor[:num_reqs].to(torch.int32),
+            slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
+            causal=cm.causal,
+        )
+
+
+def layer_scale(layer: AttentionLayer | None, name: str, device: torch.device) -> torch.Tensor:
+    """The layer's fp32 K/V scale as a one-element tensor (1.0 without a layer)."""
+    scale = getattr(layer, name, None) if layer is not None else None
+    if scale is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return scale.reshape(1).to(device=device, dtype=torch.float32)
+
+
+class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        if head_size <= 0:
+            raise ValueError(f"head_size must be positive, got {head_size}")
+        self.attn_type = AttentionType.parse(attn_type)
+        if self.attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                f"TRITON_ATTN implements decoder attention only, got attn_type="
+                f"{self.attn_type.value}; use CPU_ATTN for encoder attention")
+        if is_quantized_kv_cache(kv_cache_dtype) and \
+                kv_cache_dtype not in triton_ops.FP8_CACHE_DTYPES:
+            raise NotImplementedError(
+                f"kv_cache_dtype={kv_cache_dtype!r} is not supported by TRITON_ATTN; use one "
+                f"of {['auto', *triton_ops.FP8_CACHE_DTYPES]}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+        if logits_soft_cap is not None and logits_soft_cap < 0:
+            raise ValueError(f"logits_soft_cap must be >= 0 or None, got {logits_soft_cap}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        self.kv_cache_dtype = str(CacheDType.parse(kv_cache_dtype).value)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        self.alibi_slopes = (torch.tensor(alibi_slopes, dtype=torch.float32)
+                             if alibi_slopes is not None else None)
+        if self.alibi_slopes is not None and self.alibi_slopes.numel() != num_heads:
+            raise ValueError(f"alibi_slopes must have num_heads={num_heads} entries, got "
+                             f"{self.alibi_slopes.numel()}")
+        # A window of w tokens: the query and the w - 1 keys before it.
+        self.sliding_window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
+            raise ValueError(f"sinks must have shape [num_heads={num_heads}], got "
+                             f"{tuple(sinks.shape)}")
+        self.sinks = sinks
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, "
+                             f"head_size], got shape {tuple(kv_cache.shape)}")
+        if self.kv_cache_dtype != "auto":
+            fp8 = triton_ops.FP8_CACHE_DTYPES[self.kv_cache_dtype]
+            if kv_cache.dtype == torch.uint8:
+                kv_cache = kv_cache.view(fp8)
+            elif kv_cache.dtype != fp8:
+                raise TypeError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs a {fp8} (or uint8) "
+                                f"cache, got {kv_cache.dtype}")
+        return kv_cache.unbind(0)
+
+    def forward(
+        self,
+        layer: AttentionLayer | None,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata | None,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend every query row.
+
+        Args:
+            query: ``[num_tokens, num_heads, head_size]``.
+            key, value: ``[num_tokens, num_kv_heads, head_size]`` (``None``: nothing to
+                cache, e.g. a layer sharing another layer's cache).
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+            attn_metadata: the step's plan; ``None`` in a profiling run (output untouched).
+            output: ``[num_tokens, num_heads, head_size]``, written in place.
+        """
+        if output is None:
+            raise ValueError("TRITON_ATTN writes into a caller-provided output tensor; got "
+                             "output=None")
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by "
+                                      "TritonAttentionImpl")
+        if attn_metadata is None:  # profiling run
+            return output
+        key_cache, value_cache = self._cache_views(kv_cache)
+        device = query.device
+        k_scale = layer_scale(layer, "_k_scale", device)
+        v_scale = layer_scale(layer, "_v_scale", device)
+        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+            triton_ops.reshape_and_cache_flash(
+                key, value, key_cache, value_cache, attn_metadata.slot_mapping,
+                self.kv_cache_dtype, k_scale, v_scale)
+
+        n = attn_metadata.num_actual_tokens
+        descale_shape = (attn_metadata.num_reqs, self.num_kv_heads)
+        quantized = self.kv_cache_dtype != "auto"
+        triton_ops.unified_attention(
+            q=query[:n],
+            k=key_cache,
+            v=value_cache,
+            out=output[:n],
+            cu_seqlens_q=attn_metadata.query_start_loc,
+            max_seqlen_q=attn_metadata.max_query_len,
+            seqused_k=attn_metadata.seq_lens,
+            max_seqlen_k=attn_metadata.max_seq_len,
+            softmax_scale=self.scale,
+            causal=attn_metadata.causal,
+            alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes.to(device),
+            window_size=self.sliding_window,
+            block_table=attn_metadata.block_table,
+            softcap=self.logits_soft_cap,
+            q_descale=None,
+            k_descale=k_scale.view(1, 1).expand(descale_shape) if quantized else None,
+            v_descale=v_scale.view(1, 1).expand(descale_shape) if quantized else None,
+            sinks=None if self.sinks is None else self.sinks.to(device),
+        )
+        return output

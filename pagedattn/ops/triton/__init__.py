@@ -1,0 +1,402 @@
+"""GPU paged-attention ops in Triton: ``reshape_and_cache_flash`` and ``unified_attention``.
+
+Both take the *flash* cache layout, one tensor each for keys and values::
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
+    key_cache[b, o, h, :] = key of the token in slot b * block_size + o
+
+(``kv_cache.unbind(0)`` of a ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+cache). Semantics are SPEC.md's "Attention semantics", the definition
+:mod:`pagedattn.ops.reference` implements.
+
+The kernels launch on CUDA tensors; on CPU tensors only under Triton's interpreter
+(``TRITON_INTERPRET=1`` in the environment before the first call of the process), which
+is how the test suite checks them on machines without a GPU. :func:`launch_problem`
+says whether a device can run them, and why not. Importing this package needs neither
+Triton nor CUDA: the kernels are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["reshape_and_cache_flash", "unified_attention", "launch_problem",
+           "triton_import_problem", "FP8_CACHE_DTYPES"]
+
+FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""``kv_cache_dtype`` names of the quantized caches and the torch dtype each stores."""
+KV_CACHE_DTYPES = ("auto", *FP8_CACHE_DTYPES)
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_import_problem() -> str | None:
+    """Why Triton cannot be imported here, or ``None`` (does not import it)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    return None
+
+
+def _interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def launch_problem(device: torch.device | str) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` in this process, or ``None``."""
+    problem = triton_import_problem()
+    if problem is not None:
+        return problem
+    device = torch.device(device)
+    if _kernels_loaded():
+        interpreted = _kernel_module().INTERPRETED
+    else:
+        interpreted = _interpreter_requested()
+    if device.type == "cuda":
+        if interpreted:
+            return "the Triton kernels were loaded under TRITON_INTERPRET=1 (CPU tensors only)"
+        if not torch.cuda.is_available():
+            return "CUDA is not available to torch"
+        return None
+    if device.type == "cpu":
+        if interpreted:
+            return None
+        return ("Triton kernels need a CUDA GPU; CPU tensors run only under Triton's "
+                "interpreter (TRITON_INTERPRET=1 set before the first call)")
+    return f"device type {device.type} is not supported (needs cuda)"
+
+
+def _kernels_loaded() -> bool:
+    import sys
+
+    return f"{__name__}._kernels" in sys.modules
+
+
+def _kernel_module():
+    return importlib.import_module(f"{__name__}._kernels")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def _check_tensor(name: str, t: object, *, dim: int | None = None,
+                  dtypes: Sequence[torch.dtype] | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    return t
+
+
+def _check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} (the query's device)")
+
+
+def _check_launchable(device: torch.device) -> None:
+    problem = launch_problem(device)
+    if problem is not None:
+        raise RuntimeError(f"cannot launch the Triton kernels on {device}: {problem}")
+
+
+def _scale_tensor(name: str, scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A one-element fp32 tensor on ``device`` holding ``scale``."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{name} must hold one value, got shape {tuple(scale.shape)}")
+        return scale.reshape(1).to(device=device, dtype=torch.float32)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or a one-element tensor, got {scale!r}")
+    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
+
+
+def _reads_data_cheaply(t: torch.Tensor) -> bool:
+    """Data-dependent checks cost a device sync on a GPU; on the CPU they are free."""
+    return t.device.type == "cpu"
+
+
+# ------------------------------------------------------------------- cache writer
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor | float,
+    v_scale: torch.Tensor | float,
+) -> None:
+    """Write the first ``slot_mapping.numel()`` tokens' keys and values into the caches.
+
+    Args:
+        key, value: ``[T, num_kv_heads, head_size]``; only the first
+            ``slot_mapping.numel()`` rows are read (the rest may be padding).
+        key_cache, value_cache: flash layout ``[num_blocks, block_size, num_kv_heads,
+            head_size]``, written in place.
+        slot_mapping: int32/int64 ``[n]``, ``n <= T``: token ``t`` goes to block
+            ``slot // block_size``, offset ``slot % block_size``; ``-1`` (any negative
+            slot) is skipped.
+        kv_cache_dtype: ``"auto"`` (the cache has key's dtype) or ``"fp8"`` /
+            ``"fp8_e4m3"`` (cache ``torch.float8_e4m3fn``) / ``"fp8_e5m2"``
+            (``torch.float8_e5m2``): the cache stores ``x / scale``, saturated to the
+            format's finite range.
+        k_scale, v_scale: float or one-element tensor (used for fp8 only).
+    """
+    key = _check_tensor("key", key, dim=3, dtypes=COMPUTE_DTYPES)
+    value = _check_tensor("value", value, dim=3, dtypes=COMPUTE_DTYPES)
+    key_cache = _check_tensor("key_cache", key_cache, dim=4)
+    value_cache = _check_tensor("value_cache", value_cache, dim=4)
+    slot_mapping = _check_tensor("slot_mapping", slot_mapping, dim=1,
+                                 dtypes=(torch.int32, torch.int64))
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError(f"value ({tuple(value.shape)}, {value.dtype}) must match key "
+                         f"({tuple(key.shape)}, {key.dtype})")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache ({tuple(value_cache.shape)}, {value_cache.dtype}) must "
+                         f"match key_cache ({tuple(key_cache.shape)}, {key_cache.dtype})")
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    if tuple(key.shape[1:]) != (num_kv_heads, head_size):
+        raise ValueError(f"key must be [T, {num_kv_heads}, {head_size}] to match the cache "
+                         f"{tuple(key_cache.shape)}, got {tuple(key.shape)}")
+    num_tokens = slot_mapping.numel()
+    if num_tokens > key.shape[0]:
+        raise ValueError(f"slot_mapping has {num_tokens} entries but key has only "
+                         f"{key.shape[0]} tokens")
+    expected = key.dtype if kv_cache_dtype == "auto" else FP8_CACHE_DTYPES[kv_cache_dtype]
+    if key_cache.dtype != expected:
+        raise TypeError(f"kv_cache_dtype={kv_cache_dtype!r} with key dtype {key.dtype} needs a "
+                        f"{expected} cache, got {key_cache.dtype}")
+    device = key.device
+    _check_same_device(device, value=value, key_cache=key_cache, value_cache=value_cache,
+                       slot_mapping=slot_mapping)
+    if _reads_data_cheaply(slot_mapping) and num_tokens:
+        top = int(slot_mapping.max())
+        if top >= num_blocks * block_size:
+            raise ValueError(f"slot_mapping holds slot {top}, out of range for {num_blocks} "
+                             f"blocks of {block_size} (max slot {num_blocks * block_size - 1})")
+    k_scale_t = _scale_tensor("k_scale", k_scale, device)
+    v_scale_t = _scale_tensor("v_scale", v_scale, device)
+    _check_launchable(device)
+    if num_tokens == 0:
+        return
+    quantize = kv_cache_dtype != "auto"
+    # fp8 formats: largest finite value, mantissa bits (eps = 2**-bits), smallest
+    # normal exponent (tiny = 2**exp).
+    info = torch.finfo(key_cache.dtype if quantize else torch.float8_e4m3fn)
+    fp8_max = float(info.max) if quantize else 0.0
+    _kernel_module().reshape_and_cache_flash_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping, k_scale_t, v_scale_t,
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+        num_kv_heads, head_size, block_size,
+        HEADS_P=_next_pow2(num_kv_heads), HEAD_P=_next_pow2(head_size),
+        QUANTIZE=quantize, FP8_MAX=fp8_max,
+        FP8_MANTISSA_BITS=-int(math.log2(info.eps)), FP8_MIN_NORMAL_EXP=int(math.log2(info.tiny)),
+    )
+
+
+# ------------------------------------------------------------------------ attention
+
+
+def _check_descale(name: str, t: torch.Tensor | None, num_reqs: int, num_kv_heads: int,
+                   device: torch.device) -> torch.Tensor:
+    """``[num_reqs, num_kv_heads]`` fp32 view of a descale (expanded views welcome)."""
+    if t is None:
+        return torch.ones(1, 1, dtype=torch.float32, device=device).expand(num_reqs, num_kv_heads)
+    _check_tensor(name, t, dtypes=(torch.float32,))
+    try:
+        return t.expand(num_reqs, num_kv_heads)
+    except RuntimeError:
+        raise ValueError(f"{name} must be [num_reqs={num_reqs}, num_kv_heads={num_kv_heads}] "
+                         f"(or broadcast to it), got shape {tuple(t.shape)}") from None
+
+
+def _check_batch_values(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                        block_table: torch.Tensor, max_seqlen_q: int, num_tokens: int,
+                        num_blocks: int, block_size: int) -> None:
+    """Data-dependent checks (lengths, block ids), on CPU tensors only."""
+    starts = cu_seqlens_q.tolist()
+    if starts[0] != 0:
+        raise ValueError(f"cu_seqlens_q[0] must be 0, got {starts[0]}")
+    if starts[-1] > num_tokens:
+        raise ValueError(f"cu_seqlens_q[-1] ({starts[-1]}) exceeds the query's {num_tokens} tokens")
+    for r, kv_len in enumerate(seqused_k.tolist()):
+        q_len = starts[r + 1] - starts[r]
+        if q_len < 0:
+            raise ValueError(f"cu_seqlens_q must be non-decreasing; request {r} has length {q_len}")
+        if q_len > max_seqlen_q:
+            raise ValueError(f"request {r} has {q_len} queries > max_seqlen_q ({max_seqlen_q})")
+        if kv_len < q_len:
+            raise ValueError(f"seqused_k[{r}] ({kv_len}) must be >= its query length ({q_len})")
+        needed = -(-kv_len // block_size)
+        if needed > block_table.shape[1]:
+            raise ValueError(f"request {r} needs {needed} blocks for {kv_len} keys, block_table "
+                             f"has {block_table.shape[1]} columns")
+        used = block_table[r, :needed]
+        if needed and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+            raise ValueError(f"block_table[{r}] holds block ids {used.tolist()} outside "
+                             f"[0, {num_blocks})")
+
+
+def _tile_sizes(max_seqlen_q: int, group: int, head_size: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_Q, GROUP_P, HEAD_P, BLOCK_N)``. ``tl.dot`` needs every dimension >= 16;
+    decode tiles stay at 16 rows (one token times the group), prefill tiles grow to 64."""
+    group_p = _next_pow2(group)
+    target_rows = 16 if max_seqlen_q <= 1 else 64
+    block_q = max(1, target_rows // group_p, 16 // group_p)
+    block_q = min(block_q, max(_next_pow2(max_seqlen_q), 16 // group_p, 1))
+    return block_q, group_p, max(16, _next_pow2(head_size)), 32
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    seqused_k: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    alibi_slopes: torch.Tensor | None,
+    window_size: tuple[int, int] | Sequence[int],
+    block_table: torch.Tensor,
+    softcap: float,
+    q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Paged attention of a varlen batch (decodes, chunked prefills and whole prefills
+    mixed, in any order) in one launch; fills ``out[:cu_seqlens_q[-1]]``.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_size]`` fp16/bf16/fp32; request ``r`` owns rows
+            ``cu_seqlens_q[r]:cu_seqlens_q[r+1]``.
+        k, v: flash-layout caches ``[num_blocks, block_size, num_kv_heads, head_size]``,
+            in q's dtype, or fp8 (``float8_e4m3fn``/``float8_e5m2``) with
+            ``k_descale``/``v_descale``.
+        out: like q; rows past ``cu_seqlens_q[-1]`` are left untouched.
+        cu_seqlens_q: int32 ``[num_reqs + 1]``, starting at 0, non-decreasing.
+        max_seqlen_q: the longest query of the batch (sizes the tiles).
+        seqused_k: int32 ``[num_reqs]``, keys of each request incl. the new ones
+            (>= its query length); query ``i`` sits at position
+            ``seqused_k[r] - q_len + i``.
+        max_seqlen_k: the longest ``seqused_k`` (informational).
+        softmax_scale: multiplies ``q.k``.
+        causal: hide keys after the query's position.
+        alibi_slopes: fp32 ``[num_heads]`` or ``None``; adds ``slope[h] * (j - p)``.
+        window_size: ``(left, right)``, ``-1`` = unbounded on that side.
+        block_table: int32 ``[num_reqs, max_blocks]``.
+        softcap: ``> 0`` maps scores to ``softcap * tanh(s / softcap)``; 0 = off.
+        q_descale: must be ``None`` (quantized queries are not supported).
+        k_descale, v_descale: fp32, ``[num_reqs, num_kv_heads]`` or broadcastable to it
+            (e.g. ``layer._k_scale.expand(...)``): multiply an fp8 cache's values.
+        sinks: ``[num_heads]`` sink logits (fp32/bf16), or ``None``.
+
+    GQA/MQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``; any
+    group size and any head size (padded inside the kernel) work.
+    """
+    q = _check_tensor("q", q, dim=3, dtypes=COMPUTE_DTYPES)
+    k = _check_tensor("k", k, dim=4)
+    v = _check_tensor("v", v, dim=4)
+    out = _check_tensor("out", out, dim=3)
+    cu_seqlens_q = _check_tensor("cu_seqlens_q", cu_seqlens_q, dim=1, dtypes=(torch.int32,))
+    seqused_k = _check_tensor("seqused_k", seqused_k, dim=1, dtypes=(torch.int32,))
+    block_table = _check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
+    num_tokens, num_heads, head_size = q.shape
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v ({tuple(v.shape)}, {v.dtype}) must match k ({tuple(k.shape)}, {k.dtype})")
+    num_blocks, block_size, num_kv_heads, cache_head_size = k.shape
+    if cache_head_size != head_size:
+        raise ValueError(f"the caches' head_size ({cache_head_size}) differs from q's ({head_size})")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads})")
+    quantized = k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if k.dtype != q.dtype and not quantized:
+        raise TypeError(f"k/v must have q's dtype {q.dtype} or an fp8 dtype, got {k.dtype}")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out ({tuple(out.shape)}, {out.dtype}) must match q "
+                         f"({tuple(q.shape)}, {q.dtype})")
+    num_reqs = seqused_k.numel()
+    if cu_seqlens_q.numel() != num_reqs + 1:
+        raise ValueError(f"cu_seqlens_q must have num_reqs + 1 = {num_reqs + 1} entries, got "
+                         f"{cu_seqlens_q.numel()}")
+    if block_table.shape[0] < num_reqs:
+        raise ValueError(f"block_table must have at least num_reqs={num_reqs} rows, got "
+                         f"shape {tuple(block_table.shape)}")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q must be an int >= 0, got {max_seqlen_q!r}")
+    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
+        raise ValueError(f"max_seqlen_k must be an int >= 0, got {max_seqlen_k!r}")
+    window = tuple(window_size)
+    if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, int) or w < -1
+                               for w in window):
+        raise ValueError(f"window_size must be (left, right) ints >= -1, got {window_size!r}")
+    softcap = float(softcap or 0.0)
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
+    if q_descale is not None:
+        raise NotImplementedError("quantized queries are not supported: pass q_descale=None")
+    if alibi_slopes is not None:
+        _check_tensor("alibi_slopes", alibi_slopes, dim=1, dtypes=(torch.float32,))
+        if alibi_slopes.numel() != num_heads:
+            raise ValueError(f"alibi_slopes must have num_heads={num_heads} entries, got "
+                             f"{alibi_slopes.numel()}")
+    if sinks is not None:
+        _check_tensor("sinks", sinks, dim=1, dtypes=(torch.float32, torch.bfloat16))
+        if sinks.numel() != num_heads:
+            raise ValueError(f"sinks must have num_heads={num_heads} entries, got {sinks.numel()}")
+    device = q.device
+    _check_same_device(device, k=k, v=v, out=out, cu_seqlens_q=cu_seqlens_q,
+                       seqused_k=seqused_k, block_table=block_table,
+                       alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale,
+                       v_descale=v_descale)
+    k_descale = _check_descale("k_descale", k_descale, num_reqs, num_kv_heads, device)
+    v_descale = _check_descale("v_descale", v_descale, num_reqs, num_kv_heads, device)
+    if _reads_data_cheaply(cu_seqlens_q):
+        _check_batch_values(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, num_tokens,
+                            num_blocks, block_size)
+    _check_launchable(device)
+    if num_reqs == 0 or num_tokens == 0 or max_seqlen_q == 0:
+        return
+
+    group = num_heads // num_kv_heads
+    block_q, group_p, head_p, block_n = _tile_sizes(max_seqlen_q, group, head_size)
+    # Request r's tiles start at program cu_seqlens_q[r] // block_q + r (see the kernel).
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    dummy = k_descale  # any tensor: pointers of disabled features are never read
+    _kernel_module().unified_attention_kernel[grid](
+        q, k, v, out, cu_seqlens_q, seqused_k, block_table,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        sinks if sinks is not None else dummy,
+        k_descale, v_descale,
+        num_reqs, float(softmax_scale), softcap, window[0], window[1],
+        *q.stride(), *out.stride(), *k.stride(), *v.stride(), *block_table.stride(),
+        *k_descale.stride(), *v_descale.stride(),
+        head_size, block_size, group,
+        BLOCK_Q=block_q, GROUP_P=group_p, HEAD_P=head_p, BLOCK_N=block_n,
+        CAUSAL=bool(causal), USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
+        USE_SINKS=sinks is not None, USE_LEFT=window[0] >= 0, USE_RIGHT=window[1] >= 0,
+        DEQUANTIZE=quantized, FP32_DOT=q.dtype == torch.float32,
+    )

@@ -1,0 +1,232 @@
+"""Triton kernels behind :mod:`pagedattn.ops.triton` (imported on first use).
+
+Whether they run compiled (CUDA) or in Triton's interpreter (``TRITON_INTERPRET=1``,
+CPU tensors) is decided by Triton when this module is imported, so the environment
+variable must be set before the first op call of the process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+"""True when these kernels were created under Triton's interpreter."""
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even on the grid of an fp8 format, so the cast that
+    follows is exact. The hardware cast rounds the same way; the interpreter's does
+    not (it rounds ties up and drops the carry into the exponent), and this keeps both
+    identical. Rounding adds and removes ``1.5 * 2**23 * ulp``: the sum then has a
+    spacing of exactly ``ulp``."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_NORMAL_EXP)
+    ulp = ((exponent - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    magic = ulp * 12582912.0
+    rounded = (x + magic) - magic
+    return tl.where(rounded == 0.0, x * 0.0, rounded)  # keep the sign of zero
+
+
+@triton.jit
+def reshape_and_cache_flash_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    k_scale_ptr, v_scale_ptr,
+    stride_key_t, stride_key_h, stride_key_d,
+    stride_value_t, stride_value_h, stride_value_d,
+    stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
+    stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d,
+    num_kv_heads, head_size, block_size,
+    HEADS_P: tl.constexpr, HEAD_P: tl.constexpr,
+    QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_NORMAL_EXP: tl.constexpr,
+):
+    """One program per token: copy its ``[num_kv_heads, head_size]`` key and value
+    into their slot; a negative slot (PAD_SLOT_ID) writes nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // block_size
+    offset = slot % block_size
+    heads = tl.arange(0, HEADS_P)[:, None]
+    dims = tl.arange(0, HEAD_P)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_size)
+
+    key = tl.load(key_ptr + token * stride_key_t + heads * stride_key_h + dims * stride_key_d,
+                  mask=mask)
+    value = tl.load(value_ptr + token * stride_value_t + heads * stride_value_h
+                    + dims * stride_value_d, mask=mask)
+    if QUANTIZE:
+        # Saturate explicitly: a plain cast overflows (compiled: to NaN/inf; the
+        # interpreter wraps around).
+        key = key.to(tl.float32) / tl.load(k_scale_ptr).to(tl.float32)
+        key = _round_to_fp8_grid(key, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
+        key = tl.minimum(tl.maximum(key, -FP8_MAX), FP8_MAX)
+        value = value.to(tl.float32) / tl.load(v_scale_ptr).to(tl.float32)
+        value = _round_to_fp8_grid(value, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
+        value = tl.minimum(tl.maximum(value, -FP8_MAX), FP8_MAX)
+    tl.store(key_cache_ptr + block * stride_kc_b + offset * stride_kc_o + heads * stride_kc_h
+             + dims * stride_kc_d, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + block * stride_vc_b + offset * stride_vc_o
+             + heads * stride_vc_h + dims * stride_vc_d,
+             value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp (portable to the interpreter); saturates cleanly at +-1 since
+    # exp overflows to inf (-> 1) or underflows to 0 (-> -1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def unified_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,
+    cu_seqlens_q_ptr, seqused_k_ptr, block_table_ptr,
+    alibi_ptr, sinks_ptr, k_descale_ptr, v_descale_ptr,
+    num_reqs, scale, softcap, window_left, window_right,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_k_b, stride_k_o, stride_k_h, stride_k_d,
+    stride_v_b, stride_v_o, stride_v_h, stride_v_d,
+    stride_bt_r, stride_bt_c,
+    stride_kds_r, stride_kds_h, stride_vds_r, stride_vds_h,
+    head_size, block_size, queries_per_kv,
+    BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr, HEAD_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr, USE_LEFT: tl.constexpr, USE_RIGHT: tl.constexpr,
+    DEQUANTIZE: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """One program = one tile of ``BLOCK_Q`` query tokens of one request times the
+    ``queries_per_kv`` query heads that share kv head ``program_id(1)``.
+
+    Rows of the tile: row ``m`` is token ``m // GROUP_P`` of the tile and head
+    ``m % GROUP_P`` of the group (``GROUP_P`` = group size rounded up to a power of
+    two; the extra rows are masked). Tiles are numbered request by request: request
+    ``r`` owns programs ``cu_seqlens_q[r] // BLOCK_Q + r`` onwards, one per
+    ``BLOCK_Q`` of its tokens, so the grid size follows from the token count alone
+    (no host sync) and a binary search finds a program's request.
+    """
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Largest r with first_program(r) <= pid.
+    lo = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first <= pid, mid, lo)
+        hi = tl.where(first <= pid, hi, mid - 1)
+    req = lo
+    q_start = tl.load(cu_seqlens_q_ptr + req)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    tile = pid - (q_start // BLOCK_Q + req)
+    if tile * BLOCK_Q >= q_len:
+        return
+    kv_len = tl.load(seqused_k_ptr + req)
+    context_len = kv_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_index = tile * BLOCK_Q + rows // GROUP_P
+    group_index = rows % GROUP_P
+    row_ok = (q_index < q_len) & (group_index < queries_per_kv)
+    head = kv_head * queries_per_kv + group_index
+    position = context_len + q_index
+    dims = tl.arange(0, HEAD_P)
+    dim_ok = dims < head_size
+
+    token = (q_start + q_index).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h
+                + dims[None, :] * stride_q_d,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # Keys any row of the tile can see: [key_lo, key_hi).
+    first_position = context_len + tile * BLOCK_Q
+    last_position = context_len + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+    key_hi = kv_len
+    if CAUSAL:
+        key_hi = tl.minimum(key_hi, last_position + 1)
+    if USE_RIGHT:
+        key_hi = tl.minimum(key_hi, last_position + window_right + 1)
+    key_lo = 0
+    if USE_LEFT:
+        key_lo = tl.maximum(first_position - window_left, 0)
+    key_lo = (key_lo // BLOCK_N) * BLOCK_N
+
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    if USE_SINKS:
+        # The sink is a logit that joins the softmax denominator only: start the
+        # running max at it with a denominator of exp(sink - sink) = 1.
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P], dtype=tl.float32)
+    if DEQUANTIZE:
+        k_descale = tl.load(k_descale_ptr + req * stride_kds_r + kv_head * stride_kds_h)
+        v_descale = tl.load(v_descale_ptr + req * stride_vds_r + kv_head * stride_vds_h)
+
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt_r
+    for start in range(key_lo, key_hi, BLOCK_N):
+        key_index = start + tl.arange(0, BLOCK_N)
+        key_ok = key_index < key_hi
+        block = tl.load(table_row + (key_index // block_size) * stride_bt_c,
+                        mask=key_ok, other=0).to(tl.int64)
+        offset = (key_index % block_size).to(tl.int64)
+
+        k = tl.load(k_ptr + block[None, :] * stride_k_b + offset[None, :] * stride_k_o
+                    + kv_head * stride_k_h + dims[:, None] * stride_k_d,
+                    mask=dim_ok[:, None] & key_ok[None, :], other=0.0)
+        if DEQUANTIZE:
+            k = (k.to(tl.float32) * k_descale).to(q.dtype)
+        if FP32_DOT:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        if USE_ALIBI:
+            s += slope[:, None] * (key_index[None, :] - position[:, None]).to(tl.float32)
+        visible = key_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (key_index[None, :] <= position[:, None])
+        if USE_LEFT:
+            visible = visible & (key_index[None, :] >= position[:, None] - window_left)
+        if USE_RIGHT:
+            visible = visible & (key_index[None, :] <= position[:, None] + window_right)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen nothing yet keeps max -inf; shift it by 0 instead (no NaN).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_ptr + block[:, None] * stride_v_b + offset[:, None] * stride_v_o
+                    + kv_head * stride_v_h + dims[None, :] * stride_v_d,
+                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DEQUANTIZE:
+            v = (v.to(tl.float32) * v_descale).to(q.dtype)
+        if FP32_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Rows that saw no key (and no sink) output zeros.
+    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h
+             + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
