@@ -74,6 +74,17 @@ class TritonAttentionBackend(AttentionBackend):
         return False
 
     @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                             has_sink, use_sparse, device_capability) -> str | None:
+        on_gpu = tuple(device_capability) != (0, 0)
+        e4m3 = kv_cache_dtype in (CacheDType.FP8, CacheDType.FP8_E4M3)
+        if on_gpu and e4m3 and tuple(device_capability) < triton_ops.FP8_E4M3_MIN_CAPABILITY:
+            return (f"kv_cache_dtype {kv_cache_dtype} (float8_e4m3fn) needs compute capability "
+                    f">= 8.9 with Triton, got {device_capability[0]}.{device_capability[1]}; "
+                    "use fp8_e5m2")
+        return None
+
+    @classmethod
     def launch_problem(cls, device_capability: DeviceCapability) -> str | None:
         """Why the kernels cannot launch here (a capability of (0, 0) means the CPU)."""
         device = "cpu" if tuple(device_capability) == (0, 0) else "cuda"
