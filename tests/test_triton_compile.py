@@ -45,6 +45,9 @@ def compile_for(launch: tops.KernelLaunch, target: GPUTarget):
         arg = args.pop(0)
         if isinstance(arg, torch.Tensor):
             signature[name] = "*" + _TRITON_TYPES[arg.dtype]
+        elif isinstance(arg, int) and arg == 1:
+            # Triton's launcher turns an int argument equal to 1 into a constant.
+            signature[name], constexprs[name] = "constexpr", 1
         elif isinstance(arg, int):
             signature[name] = "i32"
         else:
@@ -70,6 +73,20 @@ def test_unified_attention_compiles_with_every_feature(target, dtype):
         b.seq_lens, 40, 0.1, True, torch.zeros(6), (3, 2), b.block_table, 2.0, None, None,
         None, sinks=torch.zeros(6))
     assert compile_for(launch, target).asm["cubin"]
+
+
+def test_unified_attention_compiles_when_ints_are_specialized_to_one():
+    # One request, one kv head, one query per kv head: num_reqs, queries_per_kv and
+    # several strides become compile-time 1s.
+    b = make_paged_batch(BatchSpec("one", (30,), (1,)), num_heads=1, num_kv_heads=1,
+                         head_size=64, block_size=16, dtype=torch.float16, layout="flash")
+    launch = tops.plan_unified_attention(
+        b.query, b.key_cache, b.value_cache, torch.empty_like(b.query), b.query_start_loc, 1,
+        b.seq_lens, 30, 0.1, True, None, (1, -1), b.block_table, 0.0, None, None, None)
+    assert compile_for(launch, H100).asm["cubin"]
+    write = tops.plan_reshape_and_cache_flash(b.new_keys, b.new_values, b.key_cache,
+                                              b.value_cache, b.slot_mapping, "auto", 1.0, 1.0)
+    assert compile_for(write, H100).asm["cubin"]
 
 
 @pytest.mark.parametrize("target, fp8", [(H100, torch.float8_e4m3fn),
