@@ -62,10 +62,8 @@ def batch(dtype):
                             head_size=40, block_size=16, dtype=dtype, layout="flash")
 
 
-@pytest.mark.parametrize("target, dtype", [(H100, torch.bfloat16), (H100, torch.float32),
-                                           (A100, torch.float16)], ids=["sm90-bf16",
-                                                                        "sm90-fp32",
-                                                                        "sm80-fp16"])
+@pytest.mark.parametrize("target, dtype", [(H100, torch.bfloat16), (H100, torch.float32)],
+                         ids=["sm90-bf16", "sm90-fp32"])
 def test_unified_attention_compiles_with_every_feature(target, dtype):
     b = batch(dtype)
     launch = tops.plan_unified_attention(
@@ -77,16 +75,16 @@ def test_unified_attention_compiles_with_every_feature(target, dtype):
 
 def test_unified_attention_compiles_when_ints_are_specialized_to_one():
     # One request, one kv head, one query per kv head: num_reqs, queries_per_kv and
-    # several strides become compile-time 1s.
+    # several strides become compile-time 1s. (Also the fp16 / sm80 case.)
     b = make_paged_batch(BatchSpec("one", (30,), (1,)), num_heads=1, num_kv_heads=1,
                          head_size=64, block_size=16, dtype=torch.float16, layout="flash")
     launch = tops.plan_unified_attention(
         b.query, b.key_cache, b.value_cache, torch.empty_like(b.query), b.query_start_loc, 1,
         b.seq_lens, 30, 0.1, True, None, (1, -1), b.block_table, 0.0, None, None, None)
-    assert compile_for(launch, H100).asm["cubin"]
+    assert compile_for(launch, A100).asm["cubin"]
     write = tops.plan_reshape_and_cache_flash(b.new_keys, b.new_values, b.key_cache,
                                               b.value_cache, b.slot_mapping, "auto", 1.0, 1.0)
-    assert compile_for(write, H100).asm["cubin"]
+    assert compile_for(write, A100).asm["cubin"]
 
 
 @pytest.mark.parametrize("target, fp8", [(H100, torch.float8_e4m3fn),

@@ -296,13 +296,21 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             max_seqlen_k=attn_metadata.max_seq_len,
             softmax_scale=self.scale,
             causal=attn_metadata.causal,
-            alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes.to(device),
+            alibi_slopes=self._on(device, "alibi_slopes"),
             window_size=self.sliding_window,
             block_table=attn_metadata.block_table,
             softcap=self.logits_soft_cap,
             q_descale=None,
             k_descale=k_scale.view(1, 1).expand(descale_shape) if quantized else None,
             v_descale=v_scale.view(1, 1).expand(descale_shape) if quantized else None,
-            sinks=None if self.sinks is None else self.sinks.to(device),
+            sinks=self._on(device, "sinks"),
         )
         return output
+
+    def _on(self, device: torch.device, name: str) -> torch.Tensor | None:
+        """Attribute ``name`` (a per-head tensor or None), moved to ``device`` once."""
+        value = getattr(self, name)
+        if value is not None and value.device != device:
+            value = value.to(device)
+            setattr(self, name, value)
+        return value

@@ -262,11 +262,11 @@ def plan_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mappin
 # ------------------------------------------------------------------------ attention
 
 
-def _check_descale(name: str, t: torch.Tensor | None, num_reqs: int, num_kv_heads: int,
-                   device: torch.device) -> torch.Tensor:
+def _check_descale(name: str, t: torch.Tensor | None, num_reqs: int,
+                   num_kv_heads: int) -> torch.Tensor | None:
     """``[num_reqs, num_kv_heads]`` fp32 view of a descale (expanded views welcome)."""
     if t is None:
-        return torch.ones(1, 1, dtype=torch.float32, device=device).expand(num_reqs, num_kv_heads)
+        return None
     _check_tensor(name, t, dtypes=(torch.float32,))
     try:
         return t.expand(num_reqs, num_kv_heads)
@@ -431,8 +431,12 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
                        alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale,
                        v_descale=v_descale)
     _check_fp8_lowering(k.dtype, device)
-    k_descale = _check_descale("k_descale", k_descale, num_reqs, num_kv_heads, device)
-    v_descale = _check_descale("v_descale", v_descale, num_reqs, num_kv_heads, device)
+    k_descale = _check_descale("k_descale", k_descale, num_reqs, num_kv_heads)
+    v_descale = _check_descale("v_descale", v_descale, num_reqs, num_kv_heads)
+    if quantized:  # a missing descale means 1.0, as in the reference
+        ones = torch.ones(1, 1, dtype=torch.float32, device=device).expand(num_reqs, num_kv_heads)
+        k_descale = ones if k_descale is None else k_descale
+        v_descale = ones if v_descale is None else v_descale
     if _reads_data_cheaply(cu_seqlens_q):
         _check_batch_values(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, num_tokens,
                             num_blocks, block_size)
@@ -443,7 +447,12 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
     block_q, group_p, head_p, block_n = _tile_sizes(max_seqlen_q, group, head_size)
     # Request r's tiles start at program cu_seqlens_q[r] // block_q + r (see the kernel).
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
-    dummy = k_descale  # any tensor: pointers of disabled features are never read
+    # Pointers of disabled features are never read: any tensor will do.
+    dummy = q
+    k_descale = dummy if k_descale is None else k_descale
+    v_descale = dummy if v_descale is None else v_descale
+    descale_strides = (*k_descale.stride()[-2:], *v_descale.stride()[-2:]) if quantized \
+        else (0, 0, 0, 0)
     return KernelLaunch(
         "unified_attention_kernel", grid,
         (q, k, v, out, cu_seqlens_q, seqused_k, block_table,
@@ -452,7 +461,7 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
          k_descale, v_descale,
          num_reqs, float(softmax_scale), softcap, window[0], window[1],
          *q.stride(), *out.stride(), *k.stride(), *v.stride(), *block_table.stride(),
-         *k_descale.stride(), *v_descale.stride(),
+         *descale_strides,
          head_size, block_size, group),
         dict(BLOCK_Q=block_q, GROUP_P=group_p, HEAD_P=head_p, BLOCK_N=block_n,
              CAUSAL=bool(causal), USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
