@@ -83,11 +83,21 @@ def test_module_imports_without_xformers_and_triton_and_says_why():
         config = registry.default_selector_config(64, torch.float16, device="cpu")
         print(registry.unsupported_reasons("XFORMERS_VLLM_V1", config))
         print(registry.unsupported_reasons("TRITON_ATTN", config))
+        from pagedattn.config import EngineConfig, ModelConfig
+        from pagedattn.kv_cache_spec import AttentionSpec
+        try:
+            xf.XFormersAttentionMetadataBuilder(
+                AttentionSpec(16, 2, 64, torch.float16), ["l0"],
+                EngineConfig(model_config=ModelConfig(dtype=torch.float16)), "cpu")
+        except RuntimeError as exc:
+            print(exc)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
-    xformers_line, triton_line = run.stdout.strip().splitlines()
+    xformers_line, triton_line, builder_line = run.stdout.strip().splitlines()
+    assert builder_line == ("XFORMERS_VLLM_V1 needs xformers: xformers is not installed "
+                            "(pip install --no-deps xformers)")
     assert "device type cpu not supported (needs cuda)" in xformers_line
     assert "xformers is not installed" in xformers_line
     assert "triton is not installed" in triton_line

@@ -74,6 +74,17 @@ class TritonAttentionBackend(AttentionBackend):
         return False
 
     @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                             has_sink, use_sparse, device_capability) -> str | None:
+        on_gpu = tuple(device_capability) != (0, 0)
+        e4m3 = kv_cache_dtype in (CacheDType.FP8, CacheDType.FP8_E4M3)
+        if on_gpu and e4m3 and tuple(device_capability) < triton_ops.FP8_E4M3_MIN_CAPABILITY:
+            return (f"kv_cache_dtype {kv_cache_dtype} (float8_e4m3fn) needs compute capability "
+                    f">= 8.9 with Triton, got {device_capability[0]}.{device_capability[1]}; "
+                    "use fp8_e5m2")
+        return None
+
+    @classmethod
     def launch_problem(cls, device_capability: DeviceCapability) -> str | None:
         """Why the kernels cannot launch here (a capability of (0, 0) means the CPU)."""
         device = "cpu" if tuple(device_capability) == (0, 0) else "cuda"
@@ -285,13 +296,21 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             max_seqlen_k=attn_metadata.max_seq_len,
             softmax_scale=self.scale,
             causal=attn_metadata.causal,
-            alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes.to(device),
+            alibi_slopes=self._on(device, "alibi_slopes"),
             window_size=self.sliding_window,
             block_table=attn_metadata.block_table,
             softcap=self.logits_soft_cap,
             q_descale=None,
             k_descale=k_scale.view(1, 1).expand(descale_shape) if quantized else None,
             v_descale=v_scale.view(1, 1).expand(descale_shape) if quantized else None,
-            sinks=None if self.sinks is None else self.sinks.to(device),
+            sinks=self._on(device, "sinks"),
         )
         return output
+
+    def _on(self, device: torch.device, name: str) -> torch.Tensor | None:
+        """Attribute ``name`` (a per-head tensor or None), moved to ``device`` once."""
+        value = getattr(self, name)
+        if value is not None and value.device != device:
+            value = value.to(device)
+            setattr(self, name, value)
+        return value

@@ -78,8 +78,12 @@ def reference_output(impl, batch, kv_cache, k_scale=1.0, v_scale=1.0):
     return ref.paged_attention(
         batch.query.float(), key_cache, value_cache, batch.query_start_loc, batch.seq_lens,
         batch.block_table, scale=impl.scale, causal=True, sliding_window=impl.sliding_window,
-        softcap=impl.logits_soft_cap, alibi_slopes=impl.alibi_slopes,
-        s_aux=getattr(impl, "sinks", None), layout="flash")
+        softcap=impl.logits_soft_cap, alibi_slopes=_cpu(impl.alibi_slopes),
+        s_aux=_cpu(getattr(impl, "sinks", None)), layout="flash")
+
+
+def _cpu(t):
+    return None if t is None else t.cpu()
 
 
 def layer_with_scales(k_scale, v_scale, device):

@@ -23,10 +23,13 @@ import math
 import os
 from collections.abc import Sequence
 
+from dataclasses import dataclass
+
 import torch
 
 __all__ = ["reshape_and_cache_flash", "unified_attention", "launch_problem",
-           "triton_import_problem", "FP8_CACHE_DTYPES"]
+           "triton_import_problem", "FP8_CACHE_DTYPES", "KernelLaunch",
+           "plan_reshape_and_cache_flash", "plan_unified_attention"]
 
 FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
@@ -124,9 +127,42 @@ def _scale_tensor(name: str, scale: torch.Tensor | float, device: torch.device) 
     return torch.tensor([float(scale)], dtype=torch.float32, device=device)
 
 
+FP8_E4M3_MIN_CAPABILITY = (8, 9)
+"""Triton lowers float8_e4m3fn only from compute capability 8.9 (Ada, Hopper) on."""
+
+
+def _check_fp8_lowering(dtype: torch.dtype, device: torch.device) -> None:
+    if dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_E4M3_MIN_CAPABILITY:
+        raise NotImplementedError(
+            f"a float8_e4m3fn cache needs compute capability >= 8.9 for Triton, this GPU has "
+            f"{capability[0]}.{capability[1]}; use kv_cache_dtype='fp8_e5m2'")
+
+
 def _reads_data_cheaply(t: torch.Tensor) -> bool:
     """Data-dependent checks cost a device sync on a GPU; on the CPU they are free."""
     return t.device.type == "cpu"
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One validated kernel launch: ``kernel`` (a name in ``_kernels``) over ``grid``
+    with positional ``args`` and keyword ``constexprs``. Tests compile it for GPU
+    targets without a GPU (``triton.compile``), the ops launch it."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict
+
+
+def _run(launch: KernelLaunch | None, device: torch.device) -> None:
+    _check_launchable(device)
+    if launch is not None:
+        kernel = getattr(_kernel_module(), launch.kernel)
+        kernel[launch.grid](*launch.args, **launch.constexprs)
 
 
 # ------------------------------------------------------------------- cache writer
@@ -158,6 +194,14 @@ def reshape_and_cache_flash(
             format's finite range.
         k_scale, v_scale: float or one-element tensor (used for fp8 only).
     """
+    _run(plan_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
+                                      kv_cache_dtype, k_scale, v_scale), key.device)
+
+
+def plan_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
+                                 kv_cache_dtype, k_scale, v_scale) -> KernelLaunch | None:
+    """Validate the arguments of :func:`reshape_and_cache_flash` and return its launch
+    (``None``: nothing to write)."""
     key = _check_tensor("key", key, dim=3, dtypes=COMPUTE_DTYPES)
     value = _check_tensor("value", value, dim=3, dtypes=COMPUTE_DTYPES)
     key_cache = _check_tensor("key_cache", key_cache, dim=4)
@@ -193,34 +237,36 @@ def reshape_and_cache_flash(
         if top >= num_blocks * block_size:
             raise ValueError(f"slot_mapping holds slot {top}, out of range for {num_blocks} "
                              f"blocks of {block_size} (max slot {num_blocks * block_size - 1})")
+    _check_fp8_lowering(key_cache.dtype, device)
     k_scale_t = _scale_tensor("k_scale", k_scale, device)
     v_scale_t = _scale_tensor("v_scale", v_scale, device)
-    _check_launchable(device)
     if num_tokens == 0:
-        return
+        return None
     quantize = kv_cache_dtype != "auto"
     # fp8 formats: largest finite value, mantissa bits (eps = 2**-bits), smallest
     # normal exponent (tiny = 2**exp).
     info = torch.finfo(key_cache.dtype if quantize else torch.float8_e4m3fn)
     fp8_max = float(info.max) if quantize else 0.0
-    _kernel_module().reshape_and_cache_flash_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, k_scale_t, v_scale_t,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        num_kv_heads, head_size, block_size,
-        HEADS_P=_next_pow2(num_kv_heads), HEAD_P=_next_pow2(head_size),
-        QUANTIZE=quantize, FP8_MAX=fp8_max,
-        FP8_MANTISSA_BITS=-int(math.log2(info.eps)), FP8_MIN_NORMAL_EXP=int(math.log2(info.tiny)),
+    return KernelLaunch(
+        "reshape_and_cache_flash_kernel", (num_tokens,),
+        (key, value, key_cache, value_cache, slot_mapping, k_scale_t, v_scale_t,
+         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+         num_kv_heads, head_size, block_size),
+        dict(HEADS_P=_next_pow2(num_kv_heads), HEAD_P=_next_pow2(head_size),
+             QUANTIZE=quantize, FP8_MAX=fp8_max,
+             FP8_MANTISSA_BITS=-int(math.log2(info.eps)),
+             FP8_MIN_NORMAL_EXP=int(math.log2(info.tiny))),
     )
 
 
 # ------------------------------------------------------------------------ attention
 
 
-def _check_descale(name: str, t: torch.Tensor | None, num_reqs: int, num_kv_heads: int,
-                   device: torch.device) -> torch.Tensor:
+def _check_descale(name: str, t: torch.Tensor | None, num_reqs: int,
+                   num_kv_heads: int) -> torch.Tensor | None:
     """``[num_reqs, num_kv_heads]`` fp32 view of a descale (expanded views welcome)."""
     if t is None:
-        return torch.ones(1, 1, dtype=torch.float32, device=device).expand(num_reqs, num_kv_heads)
+        return None
     _check_tensor(name, t, dtypes=(torch.float32,))
     try:
         return t.expand(num_reqs, num_kv_heads)
@@ -316,6 +362,18 @@ def unified_attention(
     GQA/MQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``; any
     group size and any head size (padded inside the kernel) work.
     """
+    _run(plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
+                                max_seqlen_k, softmax_scale, causal, alibi_slopes,
+                                window_size, block_table, softcap, q_descale, k_descale,
+                                v_descale, sinks), q.device)
+
+
+def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+                           softmax_scale, causal, alibi_slopes, window_size, block_table,
+                           softcap, q_descale, k_descale, v_descale,
+                           sinks=None) -> KernelLaunch | None:
+    """Validate the arguments of :func:`unified_attention` and return its launch
+    (``None``: nothing to compute)."""
     q = _check_tensor("q", q, dim=3, dtypes=COMPUTE_DTYPES)
     k = _check_tensor("k", k, dim=4)
     v = _check_tensor("v", v, dim=4)
@@ -372,31 +430,41 @@ def unified_attention(
                        seqused_k=seqused_k, block_table=block_table,
                        alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale,
                        v_descale=v_descale)
-    k_descale = _check_descale("k_descale", k_descale, num_reqs, num_kv_heads, device)
-    v_descale = _check_descale("v_descale", v_descale, num_reqs, num_kv_heads, device)
+    _check_fp8_lowering(k.dtype, device)
+    k_descale = _check_descale("k_descale", k_descale, num_reqs, num_kv_heads)
+    v_descale = _check_descale("v_descale", v_descale, num_reqs, num_kv_heads)
+    if quantized:  # a missing descale means 1.0, as in the reference
+        ones = torch.ones(1, 1, dtype=torch.float32, device=device).expand(num_reqs, num_kv_heads)
+        k_descale = ones if k_descale is None else k_descale
+        v_descale = ones if v_descale is None else v_descale
     if _reads_data_cheaply(cu_seqlens_q):
         _check_batch_values(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, num_tokens,
                             num_blocks, block_size)
-    _check_launchable(device)
     if num_reqs == 0 or num_tokens == 0 or max_seqlen_q == 0:
-        return
+        return None
 
     group = num_heads // num_kv_heads
     block_q, group_p, head_p, block_n = _tile_sizes(max_seqlen_q, group, head_size)
     # Request r's tiles start at program cu_seqlens_q[r] // block_q + r (see the kernel).
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
-    dummy = k_descale  # any tensor: pointers of disabled features are never read
-    _kernel_module().unified_attention_kernel[grid](
-        q, k, v, out, cu_seqlens_q, seqused_k, block_table,
-        alibi_slopes if alibi_slopes is not None else dummy,
-        sinks if sinks is not None else dummy,
-        k_descale, v_descale,
-        num_reqs, float(softmax_scale), softcap, window[0], window[1],
-        *q.stride(), *out.stride(), *k.stride(), *v.stride(), *block_table.stride(),
-        *k_descale.stride(), *v_descale.stride(),
-        head_size, block_size, group,
-        BLOCK_Q=block_q, GROUP_P=group_p, HEAD_P=head_p, BLOCK_N=block_n,
-        CAUSAL=bool(causal), USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
-        USE_SINKS=sinks is not None, USE_LEFT=window[0] >= 0, USE_RIGHT=window[1] >= 0,
-        DEQUANTIZE=quantized, FP32_DOT=q.dtype == torch.float32,
+    # Pointers of disabled features are never read: any tensor will do.
+    dummy = q
+    k_descale = dummy if k_descale is None else k_descale
+    v_descale = dummy if v_descale is None else v_descale
+    descale_strides = (*k_descale.stride()[-2:], *v_descale.stride()[-2:]) if quantized \
+        else (0, 0, 0, 0)
+    return KernelLaunch(
+        "unified_attention_kernel", grid,
+        (q, k, v, out, cu_seqlens_q, seqused_k, block_table,
+         alibi_slopes if alibi_slopes is not None else dummy,
+         sinks if sinks is not None else dummy,
+         k_descale, v_descale,
+         num_reqs, float(softmax_scale), softcap, window[0], window[1],
+         *q.stride(), *out.stride(), *k.stride(), *v.stride(), *block_table.stride(),
+         *descale_strides,
+         head_size, block_size, group),
+        dict(BLOCK_Q=block_q, GROUP_P=group_p, HEAD_P=head_p, BLOCK_N=block_n,
+             CAUSAL=bool(causal), USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
+             USE_SINKS=sinks is not None, USE_LEFT=window[0] >= 0, USE_RIGHT=window[1] >= 0,
+             DEQUANTIZE=quantized, FP32_DOT=q.dtype == torch.float32),
     )

@@ -1,0 +1,122 @@
+"""The Triton kernels compile for NVIDIA GPUs, checked without a GPU.
+
+Triton's wheel ships ``ptxas``, so ``triton.compile`` lowers a kernel down to a cubin
+for a named target on any machine. This catches what the interpreter cannot: typing of
+loop-carried values, ``tl.dot`` shape and dtype rules, bf16 and fp8 lowering per
+architecture. Numerics are checked elsewhere (tests/gpu_kernels, interpreter or GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedattn.ops import triton as tops
+from pagedattn.testing import BatchSpec, make_paged_batch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (make setup installs it)")
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("kernels are interpreted in this process; compiling needs JIT functions",
+                allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from pagedattn.ops.triton import _kernels  # noqa: E402
+
+_TRITON_TYPES = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+    torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
+}
+H100, A100 = GPUTarget("cuda", 90, 32), GPUTarget("cuda", 80, 32)
+
+
+def compile_for(launch: tops.KernelLaunch, target: GPUTarget):
+    """Compile ``launch`` (signature from its arguments) for ``target``."""
+    fn = getattr(_kernels, launch.kernel)
+    signature, constexprs = {}, {}
+    args = list(launch.args)
+    for name in fn.arg_names:
+        if name in launch.constexprs:
+            signature[name], constexprs[name] = "constexpr", launch.constexprs[name]
+            continue
+        arg = args.pop(0)
+        if isinstance(arg, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[arg.dtype]
+        elif isinstance(arg, int) and arg == 1:
+            # Triton's launcher turns an int argument equal to 1 into a constant.
+            signature[name], constexprs[name] = "constexpr", 1
+        elif isinstance(arg, int):
+            signature[name] = "i32"
+        else:
+            signature[name] = "fp32"
+    assert not args, "launch has more arguments than the kernel"
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=target)
+
+
+def batch(dtype):
+    return make_paged_batch(BatchSpec("mixed", (40, 1), (5, 1)), num_heads=6, num_kv_heads=2,
+                            head_size=40, block_size=16, dtype=dtype, layout="flash")
+
+
+@pytest.mark.parametrize("target, dtype", [(H100, torch.bfloat16), (H100, torch.float32)],
+                         ids=["sm90-bf16", "sm90-fp32"])
+def test_unified_attention_compiles_with_every_feature(target, dtype):
+    b = batch(dtype)
+    launch = tops.plan_unified_attention(
+        b.query, b.key_cache, b.value_cache, torch.empty_like(b.query), b.query_start_loc, 5,
+        b.seq_lens, 40, 0.1, True, torch.zeros(6), (3, 2), b.block_table, 2.0, None, None,
+        None, sinks=torch.zeros(6))
+    assert compile_for(launch, target).asm["cubin"]
+
+
+def test_unified_attention_compiles_when_ints_are_specialized_to_one():
+    # One request, one kv head, one query per kv head: num_reqs, queries_per_kv and
+    # several strides become compile-time 1s. (Also the fp16 / sm80 case.)
+    b = make_paged_batch(BatchSpec("one", (30,), (1,)), num_heads=1, num_kv_heads=1,
+                         head_size=64, block_size=16, dtype=torch.float16, layout="flash")
+    launch = tops.plan_unified_attention(
+        b.query, b.key_cache, b.value_cache, torch.empty_like(b.query), b.query_start_loc, 1,
+        b.seq_lens, 30, 0.1, True, None, (1, -1), b.block_table, 0.0, None, None, None)
+    assert compile_for(launch, A100).asm["cubin"]
+    write = tops.plan_reshape_and_cache_flash(b.new_keys, b.new_values, b.key_cache,
+                                              b.value_cache, b.slot_mapping, "auto", 1.0, 1.0)
+    assert compile_for(write, A100).asm["cubin"]
+
+
+@pytest.mark.parametrize("target, fp8", [(H100, torch.float8_e4m3fn),
+                                         (A100, torch.float8_e5m2)], ids=["sm90-e4m3",
+                                                                          "sm80-e5m2"])
+def test_fp8_cache_kernels_compile(target, fp8):
+    b = batch(torch.float16)
+    cache = b.key_cache.float().nan_to_num(0.0).to(fp8)
+    attend = tops.plan_unified_attention(
+        b.query, cache, cache, torch.empty_like(b.query), b.query_start_loc, 5, b.seq_lens,
+        40, 0.1, True, None, (-1, -1), b.block_table, 0.0, None, torch.ones(2, 2),
+        torch.ones(2, 2))
+    write = tops.plan_reshape_and_cache_flash(b.new_keys, b.new_values, cache, cache.clone(),
+                                              b.slot_mapping, "fp8_e5m2" if fp8 ==
+                                              torch.float8_e5m2 else "fp8", 1.0, 1.0)
+    assert compile_for(attend, target).asm["cubin"]
+    assert compile_for(write, target).asm["cubin"]
+
+
+def test_e4m3_cache_does_not_lower_before_sm89_and_the_backend_says_so():
+    b = batch(torch.float16)
+    cache = b.key_cache.float().nan_to_num(0.0).to(torch.float8_e4m3fn)
+    attend = tops.plan_unified_attention(
+        b.query, cache, cache, torch.empty_like(b.query), b.query_start_loc, 5, b.seq_lens,
+        40, 0.1, True, None, (-1, -1), b.block_table, 0.0, None, None, None)
+    with pytest.raises(triton.compiler.errors.CompilationError, match="fp8e4nv not supported"):
+        compile_for(attend, A100)
+    from pagedattn.backends.triton_attn import TritonAttentionBackend
+    from pagedattn.config import DeviceCapability
+
+    reason = TritonAttentionBackend.supports_combination(
+        40, torch.float16, "fp8", 16, False, False, False, DeviceCapability(8, 0))
+    assert "use fp8_e5m2" in reason
+    assert TritonAttentionBackend.supports_combination(
+        40, torch.float16, "fp8", 16, False, False, False, DeviceCapability(9, 0)) is None
