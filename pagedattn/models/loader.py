@@ -129,7 +129,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's conversion-time row permutation of Q/K (interleaved rotary
     pairs) back to Hugging Face's rotate-half layout."""
     rows = w.shape[0]
-    return (w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:])
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
              .swapaxes(1, 2).reshape(w.shape))
 
 
@@ -176,7 +176,7 @@ def _gguf_checkpoint(path: str) -> Checkpoint:
                 name = f"model.layers.{layer}.{_GGUF_LLAMA_NAMES[short]}.{kind}"
             else:
                 name = ("" if stem == "output" else "model.") + f"{_GGUF_LLAMA_NAMES[stem]}.{kind}"
-            yield name, torch.from_numpy(np.ascontiguousarray(data))
+            yield name, torch.from_numpy(np.array(data, copy=True))
 
     folder, file = os.path.split(os.path.abspath(path))
     return Checkpoint(path, config, weights, (folder, {"gguf_file": file}))
