@@ -61,7 +61,10 @@ def test_smollm2_greedy_matches_transformers(smollm2_fp32):
         ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
         assert out.prompt_token_ids == ids[0].tolist()
         with torch.no_grad():
-            gen = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+            # An explicit mask: the config's pad id (2) is <|im_end|>, which the chat
+            # template uses, and transformers would mask it out otherwise.
+            gen = ref.generate(ids, attention_mask=torch.ones_like(ids),
+                               max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                                pad_token_id=2, output_scores=True, return_dict_in_generate=True)
         expected = gen.sequences[0, ids.shape[1]:].tolist()
         if out.token_ids != expected:

@@ -21,7 +21,6 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--backend", default=None, help="attention backend (default: registry choice)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers")
 
 
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(model=args.model, dtype=args.dtype, backend=args.backend, compile=args.compile)
+    llm = LLM(model=args.model, dtype=args.dtype, backend=args.backend)
     progress = len(prompts) > 1
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)

@@ -42,6 +42,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
+def native_half_matmul() -> bool:
+    """Whether torch has a fast bf16/fp16 GEMM on this CPU (oneDNN with AVX512-BF16 or
+    AMX); without it, torch's bf16 linear runs ~5-10x slower than fp32 here."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def parse_bytes(value: int | str) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
@@ -135,7 +144,11 @@ class LLM:
     Args:
         model: a Hugging Face model directory, a ``.gguf`` file, or a built-in name
             (``"smollm2"``, ``"minilm"``) served from an installed package.
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the KV cache and attention
+            dtype, and the weights' unless ``linear_dtype`` says otherwise.
+        linear_dtype: dtype of the weights and activations around attention; ``None`` =
+            ``dtype``, except on CPUs without a native half-precision GEMM, where torch's
+            bf16/fp16 linear is several times slower than fp32: there it is float32.
         backend: attention backend name (default: the registry's choice).
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV cache pool (int, or ``"512MiB"``).
@@ -144,7 +157,6 @@ class LLM:
         max_model_len: longest request (prompt + output); default the model's context.
         max_num_seqs: most requests running at once.
         skip_tokenizer_init: no tokenizer (prompts must be token-id lists).
-        compile: run the decoder layers through ``torch.compile``.
     """
 
     def __init__(self, model: str = "smollm2", dtype: str | torch.dtype = "bfloat16",
@@ -152,8 +164,14 @@ class LLM:
                  kv_cache_memory: int | str = "512MiB", max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
-                 compile: bool = False) -> None:
+                 linear_dtype: str | torch.dtype | None = None) -> None:
         self.dtype = parse_dtype(dtype)
+        if linear_dtype is not None:
+            self.linear_dtype = parse_dtype(linear_dtype)
+        elif self.dtype != torch.float32 and not native_half_matmul():
+            self.linear_dtype = torch.float32
+        else:
+            self.linear_dtype = self.dtype
         path = resolve_model(model)
         ckpt = load_checkpoint(path, need_tokenizer=not skip_tokenizer_init)
         self.tokenizer = load_tokenizer(ckpt)
@@ -178,9 +196,10 @@ class LLM:
             block_size=block_size, max_model_len=self.max_model_len, sliding_window=window,
             attn_type=attn_type)
         self.builder = builder
-        net = (BertModel if self.is_encoder else LlamaForCausalLM)(cfg, impls)
+        kv_dtype = self.dtype if self.linear_dtype != self.dtype else None
+        net = (BertModel if self.is_encoder else LlamaForCausalLM)(cfg, impls, kv_dtype)
         net.load_weights(ckpt.weights())
-        self.model = net.to(self.dtype).eval()
+        self.model = net.to(self.linear_dtype).eval()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.last_stats = GenerateStats()
         self._ids = itertools.count()
@@ -195,11 +214,7 @@ class LLM:
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, self.max_model_len, max_num_seqs)
         self.runner = ModelRunner(self.model, builder, self.backend_cls, num_blocks=num_blocks,
                                   block_size=block_size, max_model_len=self.max_model_len,
-                                  max_num_seqs=max_num_seqs, seed=seed)
-        if compile:
-            from pagedattn.engine.compiled import compile_model
-
-            self.runner.forward_fn = compile_model(self.model)
+                                  max_num_seqs=max_num_seqs, kv_dtype=self.dtype, seed=seed)
 
     # ------------------------------------------------------------------ generation
 

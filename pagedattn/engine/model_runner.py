@@ -49,14 +49,14 @@ def make_attention(backend_cls, *, num_layers: int, num_heads: int, num_kv_heads
 
 class ModelRunner:
     def __init__(self, model, builder, backend_cls, *, num_blocks: int, block_size: int,
-                 max_model_len: int, max_num_seqs: int, seed: int = 0) -> None:
+                 max_model_len: int, max_num_seqs: int, kv_dtype: torch.dtype,
+                 seed: int = 0) -> None:
         cfg = model.config
         self.model = model
         self.builder = builder
         self.block_size = block_size
-        dtype = next(model.parameters()).dtype
         shape = backend_cls.get_kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(cfg.num_layers)]
         self.input_batch = InputBatch(max_num_seqs, cdiv(max_model_len, block_size))
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}

@@ -55,14 +55,21 @@ class PagedAttention(nn.Module):
     The ``_*_scale`` attributes are the unquantised defaults the ``AttentionLayer``
     protocol promises to impls."""
 
-    def __init__(self, impl) -> None:
+    def __init__(self, impl, kv_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.impl = impl
+        self.kv_dtype = kv_dtype
+        """Dtype of the cache and the attention op, when it differs from the activations'
+        (bf16 cache under fp32 linear layers): Q/K/V are cast to it, the output back."""
         one = torch.tensor(1.0, dtype=torch.float32)
         self._q_scale = self._k_scale = self._v_scale = self._prob_scale = one
         self._q_scale_float = self._k_scale_float = self._v_scale_float = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata) -> torch.Tensor:
+        act_dtype = q.dtype
+        if self.kv_dtype is not None and act_dtype != self.kv_dtype:
+            q, k, v = q.to(self.kv_dtype), k.to(self.kv_dtype), v.to(self.kv_dtype)
         out = torch.empty_like(q)
-        return self.impl.forward(self, q, k, v, kv_cache, attn_metadata, output=out)
+        out = self.impl.forward(self, q, k, v, kv_cache, attn_metadata, output=out)
+        return out.to(act_dtype)
