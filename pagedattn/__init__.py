@@ -1,3 +1,12 @@
 """pagedattn: paged-attention backends for LLM inference (vLLM-compatible interface)."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The engine pulls in the model code; import it only when asked for.
+    if name in ("LLM", "SamplingParams"):
+        from pagedattn import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'pagedattn' has no attribute {name!r}")

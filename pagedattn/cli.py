@@ -4,6 +4,8 @@
                         it is usable on this machine (and why not)
     pagedattn bench     side-by-side attention benchmark with a roofline (see
                         ``pagedattn bench --help``)
+    pagedattn generate  generate text with a model through the engine (SmolLM2 built in)
+    pagedattn embed     sentence embeddings with an encoder (MiniLM built in)
 """
 
 from __future__ import annotations
@@ -80,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench, bench_parser=bench)
+    from pagedattn.engine import cli as engine_cli
+
+    gen = sub.add_parser("generate", help="generate text with a model (default: SmolLM2)")
+    engine_cli.add_generate_arguments(gen)
+    gen.set_defaults(func=engine_cli.cmd_generate)
+    emb = sub.add_parser("embed", help="sentence embeddings with an encoder (default: MiniLM)")
+    engine_cli.add_embed_arguments(emb)
+    emb.set_defaults(func=engine_cli.cmd_embed)
     return parser
 
 

@@ -1,0 +1,176 @@
+"""End-to-end engine benchmark: W1-W3 (see engine_workloads.py) on SmolLM2-135M-Instruct
+for pagedattn's engine and, side by side in the same run, transformers ``generate``
+(sdpa) and, when a vLLM python is given, vLLM's own CPU engine (in a subprocess).
+Also prints the share of pagedattn's step time spent in attention.
+
+    .venv/bin/python benchmarks/bench_engine.py                 # bf16, 2 threads, 3 repeats
+    .venv/bin/python benchmarks/bench_engine.py --scale 0.25 --repeats 1   # quick
+    .venv/bin/python benchmarks/bench_engine.py --vllm-python /path/to/venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_workloads import COLUMNS, measure, workloads  # noqa: E402
+
+from pagedattn import LLM, SamplingParams  # noqa: E402
+from pagedattn.models.layers import PagedAttention  # noqa: E402
+from pagedattn.models.loader import resolve_model  # noqa: E402
+
+
+def pagedattn_peer(llm: LLM):
+    def run(prompts, n):
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return run
+
+
+def transformers_peer(model, pad_id: int):
+    def run(prompts, n):
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+    return run
+
+
+def attention_share(llm: LLM, loads) -> dict[str, float]:
+    """Fraction of generate() time spent inside the attention layers (impl forward,
+    cache write included), for W1's decode and W3 (prefill + decode)."""
+    spent = [0.0]
+    original = PagedAttention.forward
+
+    def timed_forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    PagedAttention.forward = timed_forward
+    shares = {}
+    try:
+        for name in ("W1", "W3"):
+            prompts, n = loads[name]
+            spent[0] = 0.0
+            t0 = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            shares[name] = spent[0] / (time.perf_counter() - t0)
+    finally:
+        PagedAttention.forward = original
+    return shares
+
+
+def export_hf_dir(path: str) -> str:
+    """A Hugging Face copy of the SmolLM2 GGUF (for vLLM), written once under ``path``."""
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import transformers
+
+        folder, file = os.path.split(resolve_model("smollm2"))
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
+                                                                 dtype=torch.bfloat16)
+        model.save_pretrained(path)
+        transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(path)
+    return path
+
+
+def vllm_peer_figures(python: str, hf_dir: str, loads, args) -> dict[str, float]:
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_engine_worker.py")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({k: list(v) for k, v in loads.items()}, f)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+    cmd = [python, worker, "--model", hf_dir, "--workloads", f.name, "--dtype", args.dtype,
+           "--repeats", str(args.repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    os.unlink(f.name)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM worker failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--scale", type=float, default=1.0, help="shrink the workloads (quick runs)")
+    p.add_argument("--peers", default="pagedattn,transformers,vllm")
+    p.add_argument("--vllm-python", default=os.environ.get("PAGEDATTN_VLLM_PYTHON"),
+                   help="python of an environment with vLLM (its CPU engine runs there)")
+    p.add_argument("--hf-dir", default=os.path.expanduser("~/.cache/pagedattn/smollm2-hf"),
+                   help="where the HF copy of SmolLM2 for vLLM is written")
+    p.add_argument("--json", help="also write the figures to this file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    peers = [x.strip() for x in args.peers.split(",") if x.strip()]
+    dtype = getattr(torch, args.dtype)
+
+    llm = LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
+              kv_cache_memory="1GiB")
+    loads = workloads(llm.tokenizer, args.scale)
+    for name, (prompts, n) in loads.items():
+        lens = sorted(map(len, prompts))
+        print(f"{name}: {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, {n} new tokens each")
+    results: dict[str, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
+    if "pagedattn" in peers:
+        results["pagedattn"] = measure(pagedattn_peer(llm), loads, args.repeats)
+        shares = attention_share(llm, loads)
+    if "transformers" in peers:
+        import transformers
+
+        folder, file = os.path.split(resolve_model("smollm2"))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=file, dtype=dtype, attn_implementation="sdpa").eval()
+        results["transformers (sdpa)"] = measure(transformers_peer(model, 2), loads, args.repeats)
+        del model
+    if "vllm" in peers:
+        if not args.vllm_python or not os.path.exists(args.vllm_python):
+            skipped["vllm"] = "no --vllm-python (or PAGEDATTN_VLLM_PYTHON) given"
+        else:
+            try:
+                results["vLLM CPU engine"] = vllm_peer_figures(
+                    args.vllm_python, export_hf_dir(args.hf_dir), loads, args)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                skipped["vllm"] = str(exc)[-500:]
+
+    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, greedy, {args.threads} threads, "
+          f"median of {args.repeats}, scale {args.scale}")
+    print(f"| peer | {' | '.join(COLUMNS)} |")
+    print("|---" * (len(COLUMNS) + 1) + "|")
+    for peer, figs in results.items():
+        print(f"| {peer} | " + " | ".join(f"{figs[c]:.1f}" for c in COLUMNS) + " |")
+    if "pagedattn" in results:
+        ours = results["pagedattn"]
+        for peer, figs in results.items():
+            if peer == "pagedattn":
+                continue
+            # TTFT: lower is better, so the ratio is theirs / ours; throughput ours / theirs.
+            ratios = [figs[c] / ours[c] if "ms" in c else ours[c] / figs[c] for c in COLUMNS]
+            print(f"| pagedattn vs {peer} (x, >1 = faster) | "
+                  + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+        print(f"\nattention share of pagedattn's step time: W1 {shares['W1']:.0%}, "
+              f"W3 {shares['W3']:.0%}")
+    for peer, why in skipped.items():
+        print(f"skipped {peer}: {why}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "skipped": skipped, "args": vars(args)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Workloads W1-W3 of bench_engine.py as token-id prompts (shared by every peer, so all
+of them see exactly the same inputs), and the timing protocol they all follow.
+
+W1: one chat prompt, 128 new tokens          -> TTFT, decode tok/s
+W2: 32 chat prompts of 20-200 tokens, 128 new -> output tok/s (EOS ignored)
+W3: 4 prompts of ~2000 tokens, 64 new          -> prefill tok/s, decode tok/s
+
+Protocol (identical for every peer): ``run(prompts, n)`` generates ``n`` greedy tokens
+per prompt with EOS ignored and returns its wall time. TTFT / prefill time is the time
+of ``run(prompts, 1)``; decode tok/s is ``len(prompts) * (n - 1) / (t_n - t_1)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+_SENTENCES = [
+    "The river bends past the old mill and the children race paper boats along it.",
+    "Paged attention keeps the keys and values of every token in fixed-size blocks.",
+    "A good cup of tea needs water that has only just stopped boiling.",
+    "The committee met on Tuesday to discuss the budget for the coming year.",
+    "Mountains in the north stay covered in snow until the end of spring.",
+    "She repaired the bicycle with a spanner, some oil and a lot of patience.",
+    "Compilers turn high-level programs into instructions that a processor runs.",
+    "The museum opened a new wing devoted to maps drawn by early explorers.",
+]
+_QUESTIONS = ["Summarise the text above in two sentences.", "What is the main topic?",
+              "Write a short poem inspired by it.", "List the key facts."]
+
+
+def _text(n_sentences: int, offset: int) -> str:
+    return " ".join(_SENTENCES[(offset + i) % len(_SENTENCES)] for i in range(n_sentences))
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    conv = [{"role": "user", "content": text}]
+    prompt = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False).input_ids
+
+
+def workloads(tokenizer, scale: float = 1.0) -> dict[str, tuple[list[list[int]], int]]:
+    """``name -> (prompts as token ids, new tokens per prompt)``; ``scale`` < 1 shrinks
+    the prompt counts, lengths and outputs for a quick run."""
+    def n(x: int) -> int:
+        return max(2, int(x * scale))
+
+    w1 = [chat_ids(tokenizer, "What is the capital of France? Tell me about the city.")]
+    w2 = []
+    for i in range(n(32)):
+        target = 20 + (180 * i) // max(1, n(32) - 1)  # 20 .. 200 tokens
+        k = 1
+        while len(chat_ids(tokenizer, _text(k, i) + " " + _QUESTIONS[i % 4])) < target:
+            k += 1
+        w2.append(chat_ids(tokenizer, _text(k, i) + " " + _QUESTIONS[i % 4]))
+    w3 = []
+    for i in range(4):
+        k = 1
+        while len(chat_ids(tokenizer, _text(k, i) + " " + _QUESTIONS[i])) < n(2000):
+            k += 8
+        w3.append(chat_ids(tokenizer, _text(k, i) + " " + _QUESTIONS[i]))
+    return {"W1": (w1, n(128)), "W2": (w2, n(128)), "W3": (w3, n(64))}
+
+
+def measure(run: Callable[[list[list[int]], int], None], loads, repeats: int) -> dict[str, float]:
+    """The five figures of the table for one peer (median over ``repeats``)."""
+    def timed(prompts, n) -> float:
+        t0 = time.perf_counter()
+        run(prompts, n)
+        return time.perf_counter() - t0
+
+    figures: dict[str, list[float]] = {}
+    run(loads["W1"][0], 2)  # warm-up: first-call allocations and kernel set-up
+    for _ in range(repeats):
+        w1, n1 = loads["W1"]
+        t1, tn = timed(w1, 1), timed(w1, n1)
+        figures.setdefault("W1 TTFT ms", []).append(t1 * 1e3)
+        figures.setdefault("W1 decode tok/s", []).append((n1 - 1) / max(tn - t1, 1e-9))
+        w2, n2 = loads["W2"]
+        figures.setdefault("W2 output tok/s", []).append(len(w2) * n2 / timed(w2, n2))
+        w3, n3 = loads["W3"]
+        t1, tn = timed(w3, 1), timed(w3, n3)
+        figures.setdefault("W3 prefill tok/s", []).append(sum(map(len, w3)) / t1)
+        figures.setdefault("W3 decode tok/s", []).append(len(w3) * (n3 - 1) / max(tn - t1, 1e-9))
+    return {k: statistics.median(v) for k, v in figures.items()}
+
+
+COLUMNS = ["W1 TTFT ms", "W1 decode tok/s", "W2 output tok/s", "W3 prefill tok/s", "W3 decode tok/s"]

@@ -1,0 +1,171 @@
+"""The KV block pool: reference-counted blocks, prefix caching, LRU eviction.
+
+A block holds ``block_size`` consecutive tokens of one request. A *full* block of known
+tokens gets a hash of its token ids chained with the hash of the block before it, so
+equal hashes mean equal whole prefixes. Freed blocks keep their hash and stay findable
+until they are handed out again: the free list is ordered least recently freed first,
+so the oldest cached content is evicted first.
+
+:class:`KVCacheManager` is the scheduler's view: it gives a request the blocks for its
+next tokens (reusing cached prefix blocks), caches its blocks as they fill, frees them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from pagedattn.engine.request import Request
+from pagedattn.paging import cdiv
+
+
+def hash_block(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
+    """Hash of one full block: its tokens and (through the parent) the whole prefix."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockPool:
+    """``num_blocks`` blocks with reference counts and a prefix-cache index."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}
+        """hash -> block id, for full blocks whose content is still in the cache."""
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        """ref-count-0 blocks, eviction order first."""
+        self.num_hits = 0
+        self.num_queries = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def lookup(self, block_hashes: list[int], max_blocks: int) -> list[int]:
+        """Blocks of the longest cached prefix of ``block_hashes`` (at most ``max_blocks``)."""
+        hits: list[int] = []
+        if self.enable_prefix_caching:
+            for h in block_hashes[:max_blocks]:
+                block = self.cached.get(h)
+                if block is None:
+                    break
+                hits.append(block)
+            self.num_queries += min(len(block_hashes), max_blocks)
+            self.num_hits += len(hits)
+        return hits
+
+    def num_revivable(self, block_ids: list[int]) -> int:
+        """How many of ``block_ids`` sit in the free list (taking them shrinks it)."""
+        return sum(1 for b in block_ids if self.ref_cnt[b] == 0)
+
+    def take(self, block_ids: list[int]) -> None:
+        """Add a reference to each of ``block_ids`` (cached blocks being reused)."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self.free[b]
+            self.ref_cnt[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks, evicting the oldest cached content first."""
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} blocks with {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.block_hash[b] = None
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the free list.
+        Callers pass a request's blocks last-first, so its tail is evicted before its
+        (more shareable) head."""
+        for b in block_ids:
+            if self.ref_cnt[b] <= 0:
+                raise RuntimeError(f"block {b} released more often than taken")
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self.free[b] = None
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Make a full block findable by its hash (first writer wins on duplicates)."""
+        if not self.enable_prefix_caching or block_hash in self.cached:
+            return
+        self.cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in self.cached.items():
+            self.block_hash[b] = None
+        self.cached.clear()
+
+
+class KVCacheManager:
+    """Block bookkeeping of requests on top of a :class:`BlockPool`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def _update_hashes(self, req: Request) -> None:
+        """Extend ``req.block_hashes`` over every full block of its known tokens."""
+        bs = self.block_size
+        for i in range(len(req.block_hashes), req.num_tokens // bs):
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.append(hash_block(parent, req.token_ids(i * bs, (i + 1) * bs)))
+
+    def computed_blocks(self, req: Request) -> list[int]:
+        """Cached blocks for a request that has nothing computed yet. At least one token
+        is left to compute, since the last one's logits are needed."""
+        if not self.pool.enable_prefix_caching or req.num_computed_tokens:
+            return []
+        self._update_hashes(req)
+        return self.pool.lookup(req.block_hashes, (req.num_tokens - 1) // self.block_size)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       hit_blocks: list[int] | None = None) -> bool:
+        """Reserve blocks for ``num_new_tokens`` more tokens of ``req`` (after taking
+        ``hit_blocks``, cached blocks of its prefix, as computed). False = not enough."""
+        hit_blocks = hit_blocks or []
+        total = req.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens
+        need = cdiv(total, self.block_size) - len(req.block_ids) - len(hit_blocks)
+        if need + self.pool.num_revivable(hit_blocks) > self.pool.num_free_blocks:
+            return False
+        if hit_blocks:
+            self.pool.take(hit_blocks)
+            req.block_ids.extend(hit_blocks)
+            req.num_computed_tokens += len(hit_blocks) * self.block_size
+            req.num_prefix_hit_tokens += len(hit_blocks) * self.block_size
+            req.num_cached_blocks = len(req.block_ids)
+        if need > 0:
+            req.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the blocks that the last step filled with computed tokens."""
+        if not self.pool.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        if num_full <= req.num_cached_blocks:
+            return
+        self._update_hashes(req)
+        for i in range(req.num_cached_blocks, num_full):
+            self.pool.register(req.block_ids[i], req.block_hashes[i])
+        req.num_cached_blocks = num_full
+
+    def free(self, req: Request) -> None:
+        self.pool.release(list(reversed(req.block_ids)))
+        req.block_ids = []
+        req.num_cached_blocks = 0

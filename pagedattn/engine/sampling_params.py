@@ -1,0 +1,54 @@
+"""``SamplingParams``: how one request picks its tokens and when it stops (vLLM's shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping rules.
+
+    ``temperature == 0`` is greedy (argmax); otherwise logits are divided by it and
+    filtered by ``top_k`` (``-1`` or ``0`` = off) and ``top_p`` (nucleus, ``1.0`` = off)
+    before sampling with a generator seeded by ``seed`` (``None`` = the engine's seed
+    mixed with the request index, so runs are reproducible). Generation stops at
+    ``max_tokens`` new tokens, at the model's EOS token (unless ``ignore_eos``), or when
+    the text contains one of ``stop`` (the text is cut before it).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            return float(value)
+
+        if number("temperature") < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < number("top_p") <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name, low in (("top_k", -1), ("max_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", [int(t) for t in self.stop_token_ids])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

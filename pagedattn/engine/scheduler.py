@@ -1,0 +1,183 @@
+"""The scheduler: which requests run this step, and how many of their tokens.
+
+Continuous batching under a per-step token budget: requests join and leave the running
+set between steps. Each step it serves, in order, the running decodes (one token each),
+the running chunked prefills, then waiting requests first come first served (a waiting
+request that does not fit blocks the ones behind it). A prefill longer than the budget
+left is cut into chunks over several steps. When the pool runs out of blocks, the most
+recently admitted running request is preempted: its blocks are freed and it goes back to
+the head of the queue, to be recomputed (prefix-cache hits make that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedattn.engine.block_pool import KVCacheManager
+from pagedattn.engine.request import FinishReason, Request, RequestStatus
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served (too long for the model or the pool)."""
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: tokens to compute per request, in the order scheduled."""
+
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, Request] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_model_len: int,
+                 max_num_seqs: int = 256) -> None:
+        for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if kv.capacity_tokens < max_model_len:
+            raise ValueError(
+                f"the KV cache pool holds {kv.capacity_tokens} tokens "
+                f"({kv.pool.num_blocks} blocks of {kv.block_size}), fewer than one request of "
+                f"max_model_len={max_model_len}: give it more memory or lower max_model_len")
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ admission
+
+    def add_request(self, req: Request) -> None:
+        """Queue ``req``; raises :class:`RequestRejectedError` if it can never run."""
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in the scheduler")
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise RequestRejectedError(f"request {req.req_id!r}: the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestRejectedError(
+                f"request {req.req_id!r}: the prompt has {n} tokens, the model's context "
+                f"(max_model_len) is {self.max_model_len} and one more token must fit")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort_request(self, req_id: str) -> Request | None:
+        req = self.requests.get(req_id)
+        if req is None or req.is_finished:
+            return None
+        self._finish(req, FinishReason.ABORT)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ planning
+
+    def _preempt_newest(self, out: SchedulerOutput) -> Request:
+        victim = self.running.pop()
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.num_scheduled_tokens.pop(victim.req_id, None)
+        out.requests.pop(victim.req_id, None)
+        out.preempted.append(victim.req_id)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        # Decodes first, then chunked prefills in progress, each group first come first served.
+        ordered = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in ordered:
+            budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                if self._preempt_newest(out) is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            out.num_scheduled_tokens[req.req_id] = num_new
+            out.requests[req.req_id] = req
+            budget -= num_new
+
+        budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
+        while self.waiting and budget > 0 and not out.preempted \
+                and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.computed_blocks(req)
+            remaining = req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size
+            num_new = min(remaining, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                if not self.running and not out.requests:
+                    raise RuntimeError(  # unreachable given the start-up check
+                        f"request {req.req_id!r} does not fit in an empty pool")
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.num_scheduled_tokens[req.req_id] = num_new
+            out.requests[req.req_id] = req
+            budget -= num_new
+        assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens
+        return out
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the computed counts, append sampled tokens, finish requests that
+        stopped; returns the requests that got a new token."""
+        got_token = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = out.requests[req_id]
+            req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
+            token = sampled.get(req_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            got_token.append(req)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+        return got_token
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling_params
+        if not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+            return FinishReason.STOP
+        if token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish_request(self, req: Request, reason: FinishReason) -> None:
+        """Finish a request for a reason found outside the scheduler (stop strings)."""
+        if not req.is_finished:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.finish(reason, error)
+        self.requests.pop(req.req_id, None)

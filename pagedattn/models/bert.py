@@ -1,0 +1,133 @@
+"""A BERT encoder on the backend's encoder-only attention (bidirectional, no KV cache),
+with the sentence-transformers pooling of all-MiniLM: mean over tokens, L2-normalised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedattn.models.layers import PagedAttention
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str = "gelu"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "BertConfig":
+        if cfg.get("model_type") != "bert":
+            raise NotImplementedError(f"model_type {cfg.get('model_type')!r} is not a BERT encoder")
+        act = cfg.get("hidden_act", "gelu")
+        if act not in ("gelu", "gelu_new", "relu"):
+            raise NotImplementedError(f"hidden_act {act!r} is not supported; use gelu, gelu_new or relu")
+        return cls(cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"],
+                   cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                   cfg["max_position_embeddings"], cfg.get("type_vocab_size", 2),
+                   cfg.get("layer_norm_eps", 1e-12), act)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: BertConfig, attn_impl, kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = nn.Linear(h, 3 * h)
+        self.attn = PagedAttention(attn_impl, kv_dtype)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.intermediate = nn.Linear(h, cfg.intermediate_size)
+        self.output = nn.Linear(cfg.intermediate_size, h)
+        self.output_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.act = {"gelu": F.gelu, "relu": F.relu,
+                    "gelu_new": lambda x: F.gelu(x, approximate="tanh")}[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor, attn_metadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        attn = self.attn(q.contiguous(), k.contiguous(), v.contiguous(), torch.empty(0),
+                         attn_metadata)
+        x = self.attn_norm(x + self.attn_out(attn.reshape(t, -1)))
+        return self.output_norm(x + self.output(self.act(self.intermediate(x))))
+
+
+class BertModel(nn.Module):
+    def __init__(self, cfg: BertConfig, attn_impls: list, kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.embed_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.layers = nn.ModuleList(BertLayer(cfg, impl, kv_dtype) for impl in attn_impls)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings.weight[0])
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x, attn_metadata)
+        return x
+
+    @staticmethod
+    def mean_pool(hidden: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+        """``[num_seqs, hidden]`` unit vectors: each sequence's mean token state."""
+        pooled = torch.stack([hidden[a:b].float().mean(0)
+                              for a, b in zip(query_start_loc[:-1], query_start_loc[1:])])
+        return F.normalize(pooled, dim=-1)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        h = self.config.hidden_size
+        renames = {"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
+                   "intermediate.dense": "intermediate", "output.dense": "output",
+                   "output.LayerNorm": "output_norm"}
+        for name, tensor in weights:
+            name = name.removeprefix("bert.")
+            if name.startswith("pooler.") or name.endswith("position_ids"):
+                continue
+            offset = None
+            if name.startswith("embeddings."):
+                target = name.removeprefix("embeddings.").replace("LayerNorm", "embed_norm")
+            elif name.startswith("encoder.layer."):
+                _, _, idx, rest = name.split(".", 3)
+                module, _, kind = rest.rpartition(".")
+                qkv = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
+                if module in qkv:
+                    target, offset = f"layers.{idx}.qkv.{kind}", qkv[module] * h
+                elif module in renames:
+                    target = f"layers.{idx}.{renames[module]}.{kind}"
+                else:
+                    target = name
+            else:
+                target = name
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the BERT encoder")
+            dst = param.data if offset is None else param.data.narrow(0, offset, h)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target if offset is None else f"{target}@{offset}")
+        expected = {f"{p}@{o}" for p in params if ".qkv." in p for o in (0, h, 2 * h)}
+        expected |= {p for p in params if ".qkv." not in p}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,182 @@
+"""The Llama family on paged attention: Llama (SmolLM2 included), Mistral (sliding
+window) and Qwen2 (bias on the QKV projection). One class: the differences are config.
+
+The forward takes the step's flattened tokens (``[T]`` ids and positions of all
+requests together), the per-layer KV caches and the backend metadata built once for
+the step; it returns ``[T, hidden]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedattn.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary
+
+DECODER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                         "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in DECODER_ARCHITECTURES:
+            raise NotImplementedError(
+                f"model_type {model_type!r} is not supported; decoders: "
+                f"{', '.join(DECODER_ARCHITECTURES)} (and 'bert' for embeddings)")
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+            raise NotImplementedError(f"rope_scaling {rope_scaling!r} is not supported")
+        theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        window = None
+        if model_type == "mistral":
+            window = cfg.get("sliding_window")
+        elif model_type == "qwen2" and cfg.get("use_sliding_window"):
+            raise NotImplementedError("Qwen2 with use_sliding_window=True is not supported")
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            sliding_window=window,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, attn_impl, kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.attn = PagedAttention(attn_impl, kv_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        attn = self.attn(q, k, v, kv_cache, attn_metadata)
+        x = x + self.o_proj(attn.view(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig, attn_impls: list, kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, impl, kv_dtype) for impl in attn_impls)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.tables(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter
+        must be set exactly once (a missing one raises naming it)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.config
+        qkv_offsets = {"q_proj": (0, cfg.num_heads * cfg.head_dim)}
+        kv = cfg.num_kv_heads * cfg.head_dim
+        qkv_offsets["k_proj"] = (qkv_offsets["q_proj"][1], kv)
+        qkv_offsets["v_proj"] = (qkv_offsets["q_proj"][1] + kv, kv)
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            target, offset, size = name, None, None
+            parts = name.split(".")
+            if len(parts) >= 4 and parts[0] == "layers":
+                sub = parts[3]
+                if sub in qkv_offsets:
+                    target = f"layers.{parts[1]}.qkv_proj.{parts[4]}"
+                    offset, size = qkv_offsets[sub]
+                elif sub in ("gate_proj", "up_proj"):
+                    target = f"layers.{parts[1]}.gate_up_proj.{parts[4]}"
+                    size = cfg.intermediate_size
+                    offset = 0 if sub == "gate_proj" else size
+                elif sub in ("o_proj", "down_proj"):
+                    target = f"layers.{parts[1]}.{sub}.{parts[4]}"
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.model_type}")
+            dst = param.data if offset is None else param.data.narrow(0, offset, size)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target if offset is None else f"{target}@{offset}")
+        expected = set()
+        for pname, _ in self.named_parameters():
+            if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
+                expected |= {f"{pname}@{o}" for o, _ in qkv_offsets.values()}
+            elif "gate_up_proj" in pname:
+                expected |= {f"{pname}@0", f"{pname}@{cfg.intermediate_size}"}
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

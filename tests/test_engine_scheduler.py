@@ -1,0 +1,190 @@
+"""Engine unit tests: block pool, prefix cache, scheduler, input batch (no model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedattn.engine.block_pool import BlockPool, KVCacheManager
+from pagedattn.engine.input_batch import InputBatch
+from pagedattn.engine.request import FinishReason, Request, RequestStatus
+from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.engine.scheduler import RequestRejectedError, Scheduler
+from pagedattn.paging import cdiv
+
+
+def _req(i: int, prompt: list[int], max_tokens: int = 8) -> Request:
+    return Request(f"r{i}", list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def _pool_is_consistent(kv: KVCacheManager, live: list[Request]) -> None:
+    pool = kv.pool
+    held: dict[int, int] = {}
+    for req in live:
+        for b in req.block_ids:
+            held[b] = held.get(b, 0) + 1
+    for b in range(pool.num_blocks):
+        assert pool.ref_cnt[b] == held.get(b, 0), f"block {b}"
+        assert (pool.ref_cnt[b] == 0) == (b in pool.free), f"block {b}"
+
+
+def test_block_pool_never_leaks_over_1000_random_steps():
+    rng = random.Random(0)
+    bs = 4
+    kv = KVCacheManager(num_blocks=40, block_size=bs, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=24, max_model_len=64, max_num_seqs=8)
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    n = 0
+    for _ in range(1000):
+        action = rng.random()
+        if action < 0.3:
+            prompt = rng.choice(prefixes)[: rng.randrange(1, 13)] + \
+                [rng.randrange(50) for _ in range(rng.randrange(0, 20))]
+            sched.add_request(_req(n, prompt, max_tokens=rng.randrange(1, 20)))
+            n += 1
+        elif action < 0.4 and sched.requests:
+            sched.abort_request(rng.choice(list(sched.requests)))
+        elif action < 0.45 and sched.running:  # force a preemption
+            out = sched.schedule()
+            sched._preempt_newest(out)
+            sched.update(out, {})
+        else:
+            out = sched.schedule()
+            assert out.total_num_scheduled_tokens <= 24
+            sampled = {rid: rng.randrange(50) for rid, k in out.num_scheduled_tokens.items()
+                       if out.requests[rid].num_computed_tokens + k == out.requests[rid].num_tokens}
+            sched.update(out, sampled)
+        _pool_is_consistent(kv, sched.running + list(sched.waiting))
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.update(out, {rid: 1 for rid, k in out.num_scheduled_tokens.items()
+                           if out.requests[rid].num_computed_tokens + k == out.requests[rid].num_tokens})
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert sched.num_preemptions > 0
+
+
+def test_prefix_cache_hits_count_shared_full_blocks():
+    bs = 4
+    kv = KVCacheManager(num_blocks=16, block_size=bs)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_model_len=64)
+    shared = list(range(10))  # 2 full blocks + 2 tokens
+    a = _req(0, shared + [20, 21], max_tokens=1)
+    sched.add_request(a)
+    out = sched.schedule()
+    sched.update(out, {"r0": 99})
+    assert a.is_finished and kv.pool.num_free_blocks == 16
+    b = _req(1, shared + [30, 31, 32], max_tokens=1)
+    sched.add_request(b)
+    out = sched.schedule()
+    # the 2 full blocks of the shared prefix come from the cache: 8 tokens not recomputed
+    assert b.num_prefix_hit_tokens == 8
+    assert out.num_scheduled_tokens["r1"] == len(b.prompt_token_ids) - 8
+    # a prompt equal to a cached one still computes its last token
+    sched.update(out, {"r1": 5})
+    c = _req(2, shared + [20, 21], max_tokens=1)
+    sched.add_request(c)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["r2"] >= 1
+    assert c.num_prefix_hit_tokens == 8
+
+
+def test_prefix_cache_evicts_least_recently_freed_first():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    for i, b in enumerate(blocks):
+        pool.register(b, 100 + i)
+    pool.release([blocks[1]])
+    pool.release([blocks[0]])
+    pool.release([blocks[2]])
+    assert pool.allocate(1) == [blocks[1]]
+    assert 101 not in pool.cached and 100 in pool.cached and 102 in pool.cached
+
+
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_scheduler_respects_budget_and_puts_decodes_first(budget):
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_batched_tokens=budget, max_model_len=64)
+    for i in range(4):
+        sched.add_request(_req(i, list(range(3 + 5 * i)), max_tokens=6))
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert 0 < out.total_num_scheduled_tokens <= budget
+        kinds = [out.requests[r].num_tokens - out.requests[r].num_computed_tokens > 1
+                 for r in out.num_scheduled_tokens]
+        assert kinds == sorted(kinds), "a prefill was scheduled before a decode"
+        sched.update(out, {r: 7 for r, k in out.num_scheduled_tokens.items()
+                           if out.requests[r].num_computed_tokens + k == out.requests[r].num_tokens})
+    assert kv.pool.num_free_blocks == 64
+
+
+def test_scheduler_is_fcfs_and_preempts_newest():
+    bs = 4
+    kv = KVCacheManager(num_blocks=6, block_size=bs, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_model_len=24)
+    old, new = _req(0, list(range(8)), max_tokens=12), _req(1, list(range(8)), max_tokens=12)
+    sched.add_request(old)
+    sched.add_request(new)
+    preempted = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        preempted += out.preempted
+        sched.update(out, {r: 1 for r, k in out.num_scheduled_tokens.items()
+                           if out.requests[r].num_computed_tokens + k == out.requests[r].num_tokens})
+    assert preempted and set(preempted) == {"r1"}
+    assert old.finish_time < new.finish_time
+    assert len(new.output_token_ids) == 12 and new.num_preemptions >= 1
+
+
+def test_request_that_can_never_fit_is_rejected():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    sched = Scheduler(kv, max_num_batched_tokens=16, max_model_len=32)
+    with pytest.raises(RequestRejectedError, match="32"):
+        sched.add_request(_req(0, list(range(40))))
+    with pytest.raises(RequestRejectedError, match="empty"):
+        sched.add_request(_req(1, []))
+
+
+def test_pool_smaller_than_one_request_fails_at_start_up():
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        Scheduler(KVCacheManager(num_blocks=3, block_size=16), 32, max_model_len=64)
+
+
+def test_abort_frees_blocks_and_finishes():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    sched = Scheduler(kv, max_num_batched_tokens=16, max_model_len=32)
+    r = _req(0, list(range(10)))
+    sched.add_request(r)
+    sched.update(sched.schedule(), {})
+    assert kv.pool.num_free_blocks < 8
+    sched.abort_request("r0")
+    assert r.finish_reason is FinishReason.ABORT and r.status is RequestStatus.FINISHED
+    assert kv.pool.num_free_blocks == 8
+
+
+def test_input_batch_keeps_rows_and_block_tables_in_sync():
+    batch = InputBatch(max_num_reqs=4, max_blocks_per_req=8)
+    reqs = {f"r{i}": _req(i, [1] * 5) for i in range(3)}
+    for i, r in enumerate(reqs.values()):
+        r.block_ids = [10 * i, 10 * i + 1]
+    batch.update(reqs)
+    batch.swap_states(0, 2)
+    assert batch.req_ids == ["r2", "r1", "r0"]
+    reqs["r1"].block_ids.append(99)
+    del reqs["r2"]
+    batch.update(reqs)
+    for row, rid in enumerate(batch.req_ids):
+        n = len(reqs[rid].block_ids)
+        assert batch.block_table[row, :n].tolist() == reqs[rid].block_ids
+    assert cdiv(5, 4) == 2
+
+
+def test_sampling_params_reject_bad_values():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=[""])
