@@ -65,7 +65,7 @@ def test_selection_falls_through_priority_order(fake_backends):
 
 def test_no_usable_backend_lists_every_backend_with_reasons(fake_backends):
     with pytest.raises(NoUsableBackendError) as info:
-        registry.select_backend(cfg(head_size=48, dtype=torch.float32, use_mla=True))
+        registry.select_backend(cfg(head_size=36, dtype=torch.float32, use_mla=True))
     message = str(info.value)
     assert "CPU_ATTN: head_size not supported, MLA not supported" in message
     assert "FAKE_FP16: head_size not supported, dtype not supported, MLA not supported" in message
