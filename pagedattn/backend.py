@@ -27,6 +27,7 @@ import torch
 from pagedattn import distributed
 from pagedattn.common_metadata import CommonAttentionMetadata
 from pagedattn.config import (
+    CONFIGURABLE_BLOCK_SIZES,
     BlockSize,
     CacheDType,
     DeviceCapability,
@@ -227,7 +228,8 @@ class AttentionBackend(ABC):
 
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
-        """Whether ``block_size`` is a framework ``BlockSize`` the kernel can serve.
+        """Whether ``block_size`` is a configurable block size (``CONFIGURABLE_BLOCK_SIZES``:
+        the ``BlockSize`` literal and every size the native kernels run) the kernel serves.
 
         With hybrid blocks the framework block may be split into several kernel blocks,
         so it only has to be a multiple of some supported size, fixed (``16`` accepts
@@ -235,7 +237,7 @@ class AttentionBackend(ABC):
         """
         if block_size is None:
             return True
-        if block_size not in get_args(BlockSize):
+        if block_size not in CONFIGURABLE_BLOCK_SIZES:
             return False
         kernel_sizes = cls.get_supported_kernel_block_sizes()
         if not kernel_sizes:

@@ -13,8 +13,16 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
+from pagedattn.ops import kernel_shapes
+
 BlockSize = Literal[1, 8, 16, 32, 64, 128, 256]
-"""Framework-level KV-cache block sizes (tokens per block)."""
+"""vLLM's framework-level KV-cache block sizes (tokens per block)."""
+
+CONFIGURABLE_BLOCK_SIZES: tuple[int, ...] = tuple(
+    sorted(set(get_args(BlockSize)) | set(kernel_shapes.SUPPORTED_BLOCK_SIZES))
+)
+"""Block sizes a ``CacheConfig`` takes: the ``BlockSize`` literal and every size the native
+kernels run (:mod:`pagedattn.ops.kernel_shapes`, e.g. 48 or 512)."""
 
 SUPPORTED_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -89,9 +97,11 @@ def _require_positive(name: str, value: int) -> None:
 
 
 def validate_block_size(block_size: int) -> int:
-    valid = get_args(BlockSize)
-    if block_size not in valid:
-        raise ValueError(f"block_size must be one of {valid}, got {block_size!r}")
+    if isinstance(block_size, bool) or block_size not in CONFIGURABLE_BLOCK_SIZES:
+        raise ValueError(
+            f"block_size must be one of the BlockSize literal {get_args(BlockSize)} or a size "
+            f"the kernels run ({kernel_shapes.BLOCK_SIZE_RULE}), got {block_size!r}"
+        )
     return block_size
 
 

@@ -253,8 +253,8 @@ def test_block_size_literal_is_what_the_default_accepts():
     assert get_args(BlockSize) == (1, 8, 16, 32, 64, 128, 256)
     for bs in (1, 8, 16, 32, 64, 128, 256):
         assert DummyBackend.supports_block_size(bs)
-    # Sizes outside the framework literal are rejected even though MultipleOf(1) divides them.
-    for bs in (0, 2, 12, 24, 48, 512):
+    # Sizes no CacheConfig takes are rejected even though MultipleOf(1) divides them.
+    for bs in (0, 2, 12, 24, 40, 528):
         assert not DummyBackend.supports_block_size(bs)
     assert DummyBackend.supports_block_size(None)
 
@@ -265,7 +265,8 @@ def test_fixed_kernel_size_accepts_hybrid_multiples():
                                                                               256]
     assert not B.supports_block_size(8)
     assert not B.supports_block_size(1)
-    assert not B.supports_block_size(48)  # a multiple of 16, but not a BlockSize
+    assert B.supports_block_size(48)  # not a BlockSize, but a configurable kernel size
+    assert not B.supports_block_size(40)  # configurable by no one
 
 
 def test_multiple_of_kernel_size():

@@ -472,3 +472,51 @@ def test_load_from_other_processes_is_detected_and_warned_about():
     assert runner.load_warning(2, 0.1) is None
     cores = os.cpu_count()
     assert "timings will be noisy" in runner.load_warning(cores, 1.0)
+
+
+# ------------------------------------------------------------------ fp8 caches, SDPA peers
+
+
+def test_kv_dtype_fp8_runs_every_kind_against_the_reference(tmp_path, capsys, fake_limits):
+    path = tmp_path / "fp8.json"
+    code, out = _run(["--contenders", FAST, "--repeat", "2", "--kv-dtype", "fp8",
+                      "--json", str(path)], capsys)
+    assert code == 0, out.err
+    doc = json.loads(path.read_text())
+    assert validate_result(doc) == []
+    assert [s["scenario"]["name"] for s in doc["scenarios"]] == [
+        f"{s.name}-fp8" for s in tiny_suite()]
+    for scen in doc["scenarios"]:
+        assert scen["scenario"]["kv_dtype"] == "fp8"
+        cells = {c["contender"]: c for c in scen["results"]}
+        assert cells["pagedattn"]["status"] == "ok", cells["pagedattn"]
+        if scen["scenario"]["kind"] != "reshape_and_cache":
+            assert cells["sdpa-contiguous"]["status"] == "unsupported"
+            assert cells["gather+sdpa"]["status"] == "ok", cells["gather+sdpa"]
+    assert "bf16/fp8" in out.out
+
+
+def test_default_suite_has_fp8_decode_rows_next_to_bf16():
+    from pagedattn.bench.scenarios import default_suite
+
+    names = [s.name for s in default_suite()]
+    for b in (1, 8, 32):
+        for c in (2048, 8192):
+            i = names.index(f"decode-b{b}-c{c}")
+            assert names[i + 1] == f"decode-b{b}-c{c}-fp8"
+    fp8 = next(s for s in default_suite() if s.name == "decode-b8-c2048-fp8")
+    bf16 = next(s for s in default_suite() if s.name == "decode-b8-c2048")
+    assert fp8.kv_bytes() * 2 == bf16.kv_bytes()
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(1, 37), (5, 19), (12, 12)])
+def test_every_sdpa_gqa_way_gives_the_same_attention(q_len, kv_len):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, q_len, 32, generator=gen)
+    k = torch.randn(3, 2, kv_len, 32, generator=gen)
+    v = torch.randn(3, 2, kv_len, 32, generator=gen)
+    outs = {way: contenders_mod._sdpa(q, k, v, q_len, kv_len, 0.2, way)
+            for way in contenders_mod.GQA_WAYS}
+    want = outs["repeat_interleave"]
+    for way, got in outs.items():
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=way)

@@ -16,7 +16,7 @@ def test_info_prints_versions_isa_and_backends(capsys):
 
 
 def test_info_reports_why_a_backend_is_not_usable(capsys):
-    assert main(["info", "--head-size", "48"]) == 0
+    assert main(["info", "--head-size", "36"]) == 0
     assert "CPU_ATTN           not usable: head_size not supported" in capsys.readouterr().out
 
 

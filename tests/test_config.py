@@ -22,8 +22,13 @@ def test_cache_config_accepts_every_block_size_of_the_literal(block_size):
     assert CacheConfig(block_size=block_size).block_size == block_size
 
 
-@pytest.mark.parametrize("block_size", [0, 2, 24, 48, 512, -16])
-def test_cache_config_rejects_block_size_outside_literal(block_size):
+@pytest.mark.parametrize("block_size", [48, 80, 320, 512])
+def test_cache_config_accepts_every_block_size_the_kernels_run(block_size):
+    assert CacheConfig(block_size=block_size).block_size == block_size
+
+
+@pytest.mark.parametrize("block_size", [0, 2, 24, 40, 528, 1024, -16])
+def test_cache_config_rejects_block_size_outside_literal_and_kernel_sizes(block_size):
     with pytest.raises(ValueError, match=f"block_size must be one of .* got {block_size}"):
         CacheConfig(block_size=block_size)
 

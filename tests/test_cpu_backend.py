@@ -220,8 +220,8 @@ def test_warm_up_call_without_metadata_leaves_output_untouched():
 
 
 def test_unsupported_features_raise_clear_errors():
-    with pytest.raises(NotImplementedError, match="FP8 KV cache is unsupported in CPU_ATTN"):
-        make_impl(kv_cache_dtype="fp8")
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype 'fp8_inc' is unsupported in CPU_ATTN"):
+        make_impl(kv_cache_dtype="fp8_inc")
     impl = make_impl()
     with pytest.raises(NotImplementedError, match="fused output quantization"):
         impl.forward(None, torch.zeros(1, H, D), None, None, torch.zeros(2, 1, HKV, 16, D), None,
@@ -250,7 +250,7 @@ def test_backend_class_contract():
         has_sink=True, use_sparse=False, use_mm_prefix=False, device_capability=(0, 0),
         attn_type=AttentionType.DECODER) == []
     assert CPUAttentionBackend.validate_configuration(
-        head_size=48, dtype=torch.float16, kv_cache_dtype="fp8", block_size=8, use_mla=False,
+        head_size=36, dtype=torch.float16, kv_cache_dtype="fp8_inc", block_size=24, use_mla=False,
         has_sink=False, use_sparse=False, use_mm_prefix=False, device_capability=(0, 0),
         attn_type=AttentionType.DECODER) == [
         "head_size not supported", "kv_cache_dtype not supported", "block_size not supported"]

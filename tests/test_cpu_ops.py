@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from pagedattn import ops
+from pagedattn.ops import kernel_shapes
 from pagedattn.ops import reference as ref
 from pagedattn.backends.cpu_attn import select_isa_hint
 from pagedattn.testing import BATCH_SPECS, TOLERANCES, BatchSpec, make_paged_batch
@@ -67,7 +68,8 @@ def feature_args(feature: str, num_heads: int, head_size: int) -> dict:
     )
 
 
-def run_native(batch, args, *, block_size, enable_kv_split=True, hint=None):
+def run_native(batch, args, *, block_size, enable_kv_split=True, hint=None, k_scale=1.0,
+               v_scale=1.0):
     num_heads, head_size = batch.query.shape[1:]
     num_kv_heads = batch.key_cache.shape[1]
     hint = hint or select_isa_hint(block_size, batch.query.dtype)
@@ -85,15 +87,19 @@ def run_native(batch, args, *, block_size, enable_kv_split=True, hint=None):
         output=output, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
         scale=args["scale"], causal=args["causal"], alibi_slopes=args["alibi_slopes"],
         sliding_window=window, block_table=batch.block_table, softcap=args["softcap"],
-        scheduler_metadata=metadata, s_aux=args["s_aux"],
+        scheduler_metadata=metadata, s_aux=args["s_aux"], k_scale=k_scale, v_scale=v_scale,
     )
     return output
 
 
-def run_reference(batch, args):
-    """fp32 reference on the same (already rounded) inputs."""
+def run_reference(batch, args, k_scale=1.0, v_scale=1.0):
+    """fp32 reference on the same (already rounded or quantised) inputs."""
+    key_cache, value_cache = batch.key_cache.float(), batch.value_cache.float()
+    if batch.key_cache.dtype in ref.FP8_DTYPES:
+        key_cache = ref.dequantize_fp8(batch.key_cache, k_scale)
+        value_cache = ref.dequantize_fp8(batch.value_cache, v_scale)
     return ref.paged_attention(
-        batch.query.float(), batch.key_cache.float(), batch.value_cache.float(),
+        batch.query.float(), key_cache, value_cache,
         batch.query_start_loc, batch.seq_lens, batch.block_table, scale=args["scale"],
         causal=args["causal"], sliding_window=args["sliding_window"], softcap=args["softcap"],
         alibi_slopes=args["alibi_slopes"], s_aux=args["s_aux"],
@@ -106,21 +112,60 @@ def assert_matches_reference(got, want, dtype):
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
 
 
+# KV cache storage: the query dtype ("same") or an fp8 format with per-tensor scales.
+CACHES = {"same": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_SCALES = {"k_scale": 0.037, "v_scale": 0.021}  # |randn| / scale spans the fp8 ranges
+
+
+def with_fp8_cache(batch, cache_name):
+    """``batch`` with its caches quantised as ``reshape_and_cache`` would store them (NaN
+    poison included), and the scales to read them with."""
+    fp8 = CACHES[cache_name]
+    if fp8 is None:
+        return batch, {}
+    caches = {
+        "key_cache": ref.quantize_fp8(batch.key_cache, FP8_SCALES["k_scale"], fp8),
+        "value_cache": ref.quantize_fp8(batch.value_cache, FP8_SCALES["v_scale"], fp8),
+    }
+    return type(batch)(**{**batch.__dict__, **caches}), dict(FP8_SCALES)
+
+
+# Tolerance with an fp8 cache: kernel and reference read the same stored values, and every
+# fp8 value is exactly a bf16 and an fp32 value, so the fp8 rounding itself cancels. What
+# is left is the query dtype's own path: fp32 accumulation, the output rounded to the dtype
+# (bf16 also rounds P to bf16, relative 2^-9 per weight, below the output's 2^-8), plus two
+# fp32 roundings (2 * 2^-24 relative) from folding k_scale into the score scale and v_scale
+# into the normalisation -- far below every TOLERANCES entry. The dequantised values have
+# the originals' magnitude (|err| <= 2^-4 relative), so the same table applies unchanged.
+@pytest.mark.parametrize("cache_name", CACHES)
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("batch_name", list(BATCH_SPECS))
 @pytest.mark.parametrize("feature", FEATURES)
-def test_features_over_batches(isa, feature, batch_name, dtype_name):
-    batch = case_inputs(batch_name, dtype_name, 64, 16, 8, 2)
+def test_features_over_batches(isa, feature, batch_name, dtype_name, cache_name):
+    batch, scales = with_fp8_cache(case_inputs(batch_name, dtype_name, 64, 16, 8, 2), cache_name)
     args = feature_args(feature, 8, 64)
-    got = run_native(batch, args, block_size=16)
-    assert_matches_reference(got, run_reference(batch, args), DTYPES[dtype_name])
+    got = run_native(batch, args, block_size=16, **scales)
+    assert_matches_reference(got, run_reference(batch, args, **scales), DTYPES[dtype_name])
+
+
+# Decodes and a 20-token chunk (the prefill kernels), small enough for ~100 size pairs.
+SIZES_BATCH = BatchSpec("sizes", (70, 1, 35), (1, 1, 20))
+
+
+def _size_pairs() -> list[tuple[int, int]]:
+    """Every supported head size (with a block size cycling through the supported ones)
+    and every supported block size (with a head size cycling likewise): each size runs,
+    and the pairs vary, without the full product."""
+    heads, blocks = kernel_shapes.SUPPORTED_HEAD_SIZES, kernel_shapes.SUPPORTED_BLOCK_SIZES
+    pairs = {(h, blocks[i * 7 % len(blocks)]) for i, h in enumerate(heads)}
+    pairs |= {(heads[i * 5 % len(heads)], b) for i, b in enumerate(blocks)}
+    return sorted(pairs)
 
 
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
-@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("head_size,block_size", _size_pairs(), ids=lambda v: str(v))
 def test_head_and_block_sizes(isa, head_size, block_size, dtype_name):
-    batch = case_inputs("mixed", dtype_name, head_size, block_size, 4, 2)
+    batch = case_inputs(SIZES_BATCH, dtype_name, head_size, block_size, 4, 2)
     args = feature_args("window", 4, head_size)
     got = run_native(batch, args, block_size=block_size)
     assert_matches_reference(got, run_reference(batch, args), DTYPES[dtype_name])

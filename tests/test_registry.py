@@ -65,7 +65,7 @@ def test_selection_falls_through_priority_order(fake_backends):
 
 def test_no_usable_backend_lists_every_backend_with_reasons(fake_backends):
     with pytest.raises(NoUsableBackendError) as info:
-        registry.select_backend(cfg(head_size=48, dtype=torch.float32, use_mla=True))
+        registry.select_backend(cfg(head_size=36, dtype=torch.float32, use_mla=True))
     message = str(info.value)
     # The seed's reason strings come first; the registry adds the value and what is allowed.
     assert ("CPU_ATTN: head_size not supported: 48 (supported: 32, 64, 80, 96, 112, 128, "

@@ -177,7 +177,8 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
                                  int64_t sliding_window_left, int64_t sliding_window_right,
                                  const at::Tensor& block_table, double softcap,
                                  const at::Tensor& scheduler_metadata,
-                                 const std::optional<at::Tensor>& s_aux) {
+                                 const std::optional<at::Tensor>& s_aux, double k_scale,
+                                 double v_scale) {
   // ---- tensors: device, dtype, rank, strides, shapes
   check_cpu(query, "query");
   check_cpu(output, "output");
@@ -186,11 +187,15 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
                     query.sizes());
   TORCH_CHECK_VALUE(output.sizes() == query.sizes(), "output shape ", output.sizes(),
                     " must equal query shape ", query.sizes());
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&key_cache, &value_cache, &output})
-    TORCH_CHECK_TYPE(t->scalar_type() == query.scalar_type(),
-                     "query, key_cache, value_cache and output must share one dtype; query is ",
-                     query.scalar_type(), ", got ", t->scalar_type());
+  TORCH_CHECK_TYPE(output.scalar_type() == query.scalar_type(), "output dtype ",
+                   output.scalar_type(), " must equal query dtype ", query.scalar_type());
   check_cache_pair(key_cache, value_cache);
+  const DType cache_dt = to_cache_dtype(key_cache.scalar_type(), "key_cache");
+  TORCH_CHECK_TYPE(cache_dt == dt || is_fp8(cache_dt), "kv cache dtype ",
+                   key_cache.scalar_type(), " must equal query dtype ", query.scalar_type(),
+                   " or be float8_e4m3fn / float8_e5m2");
+  check_kv_scale(k_scale, "k_scale");
+  check_kv_scale(v_scale, "v_scale");
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), hs = query.size(2);
   const int64_t num_blocks = key_cache.size(0), num_kv_heads = key_cache.size(1);
   const int64_t bs = key_cache.size(2);
@@ -297,6 +302,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
 
   AttnParams p{};
   p.dtype = dt;
+  p.cache_dtype = cache_dt;
   p.q = query.data_ptr();
   p.q_stride_tok = query.stride(0);
   p.q_stride_head = query.stride(1);
@@ -319,7 +325,10 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   p.block_size = static_cast<int32_t>(bs);
   p.num_heads = static_cast<int32_t>(num_heads);
   p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
-  p.scale = static_cast<float>(scale);
+  // fp8: scores on the stored values times (scale * k_scale), outputs times v_scale.
+  // Other caches hold the values themselves: their scales are ignored, as in vLLM.
+  p.scale = static_cast<float>(is_fp8(cache_dt) ? scale * k_scale : scale);
+  p.v_scale = is_fp8(cache_dt) ? static_cast<float>(v_scale) : 1.f;
   p.softcap = static_cast<float>(softcap);
   p.alibi = alibi_f.defined() ? alibi_f.data_ptr<float>() : nullptr;
   p.sink = sink_f.defined() ? sink_f.data_ptr<float>() : nullptr;
@@ -445,7 +454,8 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
       "cpu_attention_with_kv_cache(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor(a!) output, Tensor query_start_loc, Tensor seq_lens, float scale, bool causal, "
       "Tensor? alibi_slopes, int sliding_window_left, int sliding_window_right, "
-      "Tensor block_table, float softcap, Tensor scheduler_metadata, Tensor? s_aux) -> ()");
+      "Tensor block_table, float softcap, Tensor scheduler_metadata, Tensor? s_aux, "
+      "float k_scale=1.0, float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {

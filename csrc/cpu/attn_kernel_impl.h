@@ -64,14 +64,15 @@ struct PrefetchCursor {
 // Scores of one query row against W consecutive keys (lane i = key i); the generic path
 // converts to fp32 and FMAs, then folds the W partial-sum vectors with one reduce_lanes.
 // dot_group and dot_group2 each tick the prefetch cursor once per key row (W ticks).
-template <class VO, class T>
+// T: query type, C: cache type (T, or an fp8 format converted to fp32 by VO::cvt_load).
+template <class VO, class T, class C = T>
 struct QkGeneric {
   using QElem = float;
   using V = typename VO::V;
   static void pack(const T* src, QElem* dst, int D) {
     for (int d = 0; d < D; d += VO::W) VO::store(dst + d, VO::cvt_load(src + d));
   }
-  static V dot(const QElem* q, const T* k, int64_t kst, int D) {
+  static V dot(const QElem* q, const C* k, int64_t kst, int D) {
     V a[VO::W];
     for (int i = 0; i < VO::W; ++i) a[i] = VO::zero();
     for (int d = 0; d < D; d += VO::W) {
@@ -81,14 +82,14 @@ struct QkGeneric {
     }
     return VO::reduce_lanes(a);
   }
-  static V dot_group(const QElem* q, const T* k, int64_t kst, int D, PrefetchCursor& pf) {
+  static V dot_group(const QElem* q, const C* k, int64_t kst, int D, PrefetchCursor& pf) {
     for (int i = 0; i < VO::W; ++i) pf.tick();
     return dot(q, k, kst, D);
   }
   // Scores of two query rows against the same W keys (into s0, s1): each key chunk is
   // loaded and converted once for both rows (a third fewer q.k instructions than two
   // dot() passes), KB keys at a time so the 2 x KB accumulators stay in registers.
-  static void dot_group2(const QElem* q0, const QElem* q1, const T* k, int64_t kst, int D,
+  static void dot_group2(const QElem* q0, const QElem* q1, const C* k, int64_t kst, int D,
                          float* s0, float* s1, PrefetchCursor& pf) {
     constexpr int KB = VO::W < 4 ? VO::W : 4;
     V a0[VO::W], a1[VO::W];
@@ -122,8 +123,8 @@ struct QkGeneric {
 };
 
 // ISA TUs may specialize Qk (e.g. AVX512-BF16 dot products) before instantiating.
-template <class VO, class T>
-struct Qk : QkGeneric<VO, T> {};
+template <class VO, class T, class C = T>
+struct Qk : QkGeneric<VO, T, C> {};
 
 // acc[r] += P[r] . V over keys [t0, t1) of one block; register-blocked rows x vectors.
 // Specializations may keep acc in a permuted d order; finish_row restores it. pv ticks the
@@ -184,8 +185,10 @@ struct PvGeneric {
 
 };
 
-template <class VO, class T>
-struct Pv : PvGeneric<VO, T> {};
+// Pv<VO, C, T>: values stored as C, for queries/outputs of type T (a specialization may
+// trade precision only where T's own rounding hides it).
+template <class VO, class C, class T = C>
+struct Pv : PvGeneric<VO, C> {};
 
 // Row state of a rows-in-lanes prefill item (prefill_lanes_*.h), rows token-major and padded
 // to Rp: each row's visible keys [lo, hi] (empty, 1 > 0, for padding rows), its negated
@@ -230,10 +233,40 @@ struct PrefillItem {
   static bool run(const AttnParams&, const WorkItem&, float*) { return false; }
 };
 
+// fp8 caches: each step's K rows (from its first key group) and V rows are decoded once
+// into scratch of element type E, and the E-cache kernels run on that (L1-resident) copy;
+// decoding inside q.k would redo it for every pair of query rows. E = float by default
+// (VO::cvt_row: the ISA's vectorised decode); an ISA TU may pick another E, as
+// AVX512-BF16 does (bf16, for vdpbf16ps). Other caches are read in place (kActive false).
+template <class VO, class C>
+struct Fp8ToFloatRows {
+  using E = float;
+  static constexpr bool kActive = true;
+  static void rows(const C* src, int64_t sst, float* dst, int n, int D) {
+    for (int r = 0; r < n; ++r) VO::cvt_row(src + r * sst, dst + static_cast<int64_t>(r) * D, D);
+  }
+};
+template <class VO, class T, class C>
+struct CacheConvert {
+  using E = C;
+  static constexpr bool kActive = false;
+  static void rows(const C*, int64_t, E*, int, int) {}
+};
 template <class VO, class T>
+struct CacheConvert<VO, T, fp8_e4m3_t> : Fp8ToFloatRows<VO, fp8_e4m3_t> {};
+template <class VO, class T>
+struct CacheConvert<VO, T, fp8_e5m2_t> : Fp8ToFloatRows<VO, fp8_e5m2_t> {};
+
+// T: query/output type; C: cache type (T, or an fp8 format: q.k and P.V then run on the
+// stored values, and p.scale / p.v_scale carry the cache's k_scale / v_scale).
+template <class VO, class T, class C = T>
 struct AttnKernel {
   using V = typename VO::V;
   static constexpr int W = VO::W;
+  using Conv = CacheConvert<VO, T, C>;
+  using E = typename Conv::E;  // element type the q.k / P.V kernels read
+  using QkT = Qk<VO, T, E>;
+  using PvT = Pv<VO, E, T>;
 
   static const T* q_row(const AttnParams& p, int64_t tok, int64_t head) {
     return static_cast<const T*>(p.q) + tok * p.q_stride_tok + head * p.q_stride_head;
@@ -244,17 +277,29 @@ struct AttnKernel {
 
   // S[r, t] for t in [t0, t1) (computed for whole W-groups inside the block: keys past t1
   // may be garbage, their lanes are masked later and never reach P.V).
-  static void qk(const typename Qk<VO, T>::QElem* qp, int R, const T* kb, int64_t kst, int t0,
-                 int t1, float* S, int lds, int D, PrefetchCursor& pf) {
+  // A key group reaching past the block's end (block sizes that are not a multiple of W:
+  // 1, 8) is scored from `kpad` [W, D] instead: its keys [tg, t1) copied, the rest zeros,
+  // so no read leaves the block.
+  static void qk(const typename QkT::QElem* qp, int R, const E* kb, int64_t kst, int t0,
+                 int t1, float* S, int lds, int D, int BS, E* kpad, PrefetchCursor& pf) {
     const int ta = t0 / W * W;
-    int r = 0;
-    for (; r + 1 < R; r += 2)
-      for (int tg = ta; tg < t1; tg += W)
-        Qk<VO, T>::dot_group2(qp + r * D, qp + (r + 1) * D, kb + tg * kst, kst, D,
-                              S + r * lds + tg, S + (r + 1) * lds + tg, pf);
-    for (; r < R; ++r)
-      for (int tg = ta; tg < t1; tg += W)
-        VO::store(S + r * lds + tg, Qk<VO, T>::dot_group(qp + r * D, kb + tg * kst, kst, D, pf));
+    for (int tg = ta; tg < t1; tg += W) {
+      const E* kg = kb + tg * kst;
+      int64_t gst = kst;
+      if (tg + W > BS) {
+        std::memset(static_cast<void*>(kpad), 0, sizeof(E) * W * D);
+        for (int t = tg; t < t1; ++t)
+          std::memcpy(static_cast<void*>(kpad + (t - tg) * D), kb + t * kst, sizeof(E) * D);
+        kg = kpad;
+        gst = D;
+      }
+      int r = 0;
+      for (; r + 1 < R; r += 2)
+        QkT::dot_group2(qp + r * D, qp + (r + 1) * D, kg, gst, D, S + r * lds + tg,
+                              S + (r + 1) * lds + tg, pf);
+      for (; r < R; ++r)
+        VO::store(S + r * lds + tg, QkT::dot_group(qp + r * D, kg, gst, D, pf));
+    }
   }
   static int qk_ticks(int R, int t0, int t1) {
     return (R + 1) / 2 * ((t1 - t0 / W * W + W - 1) / W) * W;
@@ -280,9 +325,10 @@ struct AttnKernel {
     const int Rh = ntok * G;  // rows per kv head
     const int R = NH * Rh;
     const int lds = (BS + 2 * W + 15) / 16 * 16;
-    if (PrefillItem<VO, T>::run(p, it, scratch)) return;
+    if constexpr (std::is_same<T, C>::value)  // the lanes kernels read T caches only
+      if (PrefillItem<VO, T>::run(p, it, scratch)) return;
 
-    using QElem = typename Qk<VO, T>::QElem;
+    using QElem = typename QkT::QElem;
     float* acc = scratch;                                   // [R, D]
     QElem* qp = reinterpret_cast<QElem*>(acc + R * D);      // [R, D]
     float* S = acc + 2 * R * D;                             // [Rh, lds] (one head at a time)
@@ -291,6 +337,11 @@ struct AttnKernel {
     int64_t* lo = reinterpret_cast<int64_t*>(l + R);  // [Rh] first visible key (8-byte aligned)
     int64_t* hi = lo + R;                                   // [Rh] last visible key
     int64_t* pos = hi + R;                                  // [Rh] absolute query position
+    E* kpad = reinterpret_cast<E*>(                         // [W, D] padded key group
+        (reinterpret_cast<uintptr_t>(pos + R) + 63) / 64 * 64);
+    E* kconv = reinterpret_cast<E*>(                        // [BS, D] decoded K (fp8)
+        (reinterpret_cast<uintptr_t>(kpad + W * D) + 63) / 64 * 64);
+    E* vconv = kconv + static_cast<int64_t>(BS) * D;        // [BS, D] decoded V (fp8)
 
     int64_t ulo = INT64_MAX, uhi = -1;  // union of the rows' visible ranges
     for (int t = 0; t < ntok; ++t) {
@@ -309,7 +360,7 @@ struct AttnKernel {
       }
     }
     for (int r = 0; r < R; ++r) {
-      Qk<VO, T>::pack(q_row(p, qs + it.q_begin + row_token(r, Rh, G), row_head(it, r, Rh, G)),
+      QkT::pack(q_row(p, qs + it.q_begin + row_token(r, Rh, G), row_head(it, r, Rh, G)),
                       qp + r * D, D);
       m[r] = kNegInf;
       l[r] = 0.f;
@@ -318,16 +369,16 @@ struct AttnKernel {
 
     if (ulo <= uhi) {
       const int32_t* bt = p.block_table + it.req * p.bt_stride;
-      const T* kbase = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
-      const T* vbase = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
+      const C* kbase = static_cast<const C*>(p.k_cache) + it.kv_head * p.k_stride_head;
+      const C* vbase = static_cast<const C*>(p.v_cache) + it.kv_head * p.v_stride_head;
       // Decode is memory-latency bound: a core's demand misses alone reach about a quarter
       // of DRAM bandwidth (the 4 KiB pages of a paged block are scattered, so hardware
       // prefetchers keep losing the stream), so software-prefetch K/V into L2 ~16 KiB
       // ahead, evenly over the step (see PrefetchCursor; 16-32 KiB beat 64-128 KiB once
       // spread). Steps are (block, head) pairs in the order they are computed.
       const int64_t first = ulo / BS, last = uhi / BS;
-      const int64_t k_bytes = static_cast<int64_t>(BS) * p.k_stride_tok * sizeof(T);
-      const int64_t v_bytes = static_cast<int64_t>(BS) * p.v_stride_tok * sizeof(T);
+      const int64_t k_bytes = static_cast<int64_t>(BS) * p.k_stride_tok * sizeof(C);
+      const int64_t v_bytes = static_cast<int64_t>(BS) * p.v_stride_tok * sizeof(C);
       const int64_t dist = std::max<int64_t>(1, (16 * 1024) / (k_bytes + v_bytes));
       const int64_t nsteps = (last - first + 1) * NH;
       auto cursor = [&](int64_t step) {
@@ -362,20 +413,31 @@ struct AttnKernel {
         const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
         const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, BS));
         const int64_t phys = bt[blk];
-        const T* kb = kbase + phys * p.k_stride_block + h * p.k_stride_head;
-        const T* vb = vbase + phys * p.v_stride_block + h * p.v_stride_head;
+        const C* kb = kbase + phys * p.k_stride_block + h * p.k_stride_head;
+        const C* vb = vbase + phys * p.v_stride_block + h * p.v_stride_head;
+        const E* ke = reinterpret_cast<const E*>(kb);  // the rows the kernels read
+        const E* ve = reinterpret_cast<const E*>(vb);
+        int64_t kst = p.k_stride_tok, vst = p.v_stride_tok;
+        if constexpr (Conv::kActive) {
+          const int ta = t0 / W * W;
+          Conv::rows(kb + ta * kst, kst, kconv + ta * D, t1 - ta, D);
+          Conv::rows(vb + t0 * vst, vst, vconv + t0 * D, t1 - t0, D);
+          ke = kconv;
+          ve = vconv;
+          kst = vst = D;
+        }
         const int r0 = h * Rh;
-        pf.pace(qk_ticks(Rh, t0, t1) + Pv<VO, T>::ticks(Rh, t0, t1, D));
-        qk(qp + r0 * D, Rh, kb, p.k_stride_tok, t0, t1, S, lds, D, pf);
+        pf.pace(qk_ticks(Rh, t0, t1) + PvT::ticks(Rh, t0, t1, D));
+        qk(qp + r0 * D, Rh, ke, kst, t0, t1, S, lds, D, BS, kpad, pf);
         for (int r = 0; r < Rh; ++r)
           softmax_row(p, (it.kv_head + h) * G + r % G, S + r * lds, base, t0, t1, lo[r], hi[r],
                       pos[r], m + r0 + r, l + r0 + r, acc + (r0 + r) * D, D);
-        Pv<VO, T>::pv(S, lds, Rh, vb, p.v_stride_tok, t0, t1, acc + r0 * D, D, pf);
+        PvT::pv(S, lds, Rh, ve, vst, t0, t1, acc + r0 * D, D, pf);
         pf.issue(pf.lines());
       }
     }
 
-    for (int r = 0; r < R; ++r) Pv<VO, T>::finish_row(acc + r * D, D);
+    for (int r = 0; r < R; ++r) PvT::finish_row(acc + r * D, D);
     finish(p, it, acc, m, l);
   }
 
@@ -404,13 +466,14 @@ struct AttnKernel {
         } else if (denom > 0.f) {
           f = 1.f / denom;
         }
+        f *= p.v_scale;
         store_row(out_row(p, qs + it.q_begin + row_token(r, Rh, G), h), acc + r * D, f, D);
       }
     } else {
       for (int r = 0; r < R; ++r) {
         const bool any = l[r] > 0.f;
         it.part_lse[r] = any ? m[r] + std::log(l[r]) : kNegInf;
-        const V fv = VO::set1(any ? 1.f / l[r] : 0.f);
+        const V fv = VO::set1(any ? p.v_scale / l[r] : 0.f);
         for (int d = 0; d < D; d += W)
           VO::store(it.part_out + r * D + d, any ? VO::mul(VO::load(acc + r * D + d), fv) : VO::zero());
       }
@@ -515,26 +578,53 @@ struct AttnKernel {
 
 constexpr int kMaxSplits = 64;  // merge keeps per-split weights on the stack
 
-template <class VO>
-void attn_item_entry(const AttnParams& p, const WorkItem& it, float* scratch) {
-  switch (p.dtype) {
-    case DType::kF32: AttnKernel<VO, float>::run(p, it, scratch); break;
-    case DType::kBF16: AttnKernel<VO, bf16_t>::run(p, it, scratch); break;
-    case DType::kF16: AttnKernel<VO, fp16_t>::run(p, it, scratch); break;
+template <class VO, class T>
+void attn_item_cache(const AttnParams& p, const WorkItem& it, float* scratch) {
+  switch (p.cache_dtype) {
+    case DType::kFp8E4m3: AttnKernel<VO, T, fp8_e4m3_t>::run(p, it, scratch); break;
+    case DType::kFp8E5m2: AttnKernel<VO, T, fp8_e5m2_t>::run(p, it, scratch); break;
+    default: AttnKernel<VO, T>::run(p, it, scratch); break;  // cache dtype == query dtype
   }
 }
 
 template <class VO>
-void merge_entry(const AttnParams& p, const WorkItem& it, int32_t nsplit, int64_t split_stride,
+void attn_item_dtype(const AttnParams& p, const WorkItem& it, float* scratch) {
+  switch (p.dtype) {
+    case DType::kF32: attn_item_cache<VO, float>(p, it, scratch); break;
+    case DType::kBF16: attn_item_cache<VO, bf16_t>(p, it, scratch); break;
+    case DType::kF16: attn_item_cache<VO, fp16_t>(p, it, scratch); break;
+    default: break;  // fp8 is a cache format only (rejected by the binding)
+  }
+}
+
+// The merge reads only fp32 partials and writes T rows: the cache type does not matter.
+template <class VO>
+void merge_dtype(const AttnParams& p, const WorkItem& it, int32_t nsplit, int64_t split_stride,
                  int64_t lse_stride) {
   switch (p.dtype) {
     case DType::kF32: AttnKernel<VO, float>::merge(p, it, nsplit, split_stride, lse_stride); break;
     case DType::kBF16: AttnKernel<VO, bf16_t>::merge(p, it, nsplit, split_stride, lse_stride); break;
     case DType::kF16: AttnKernel<VO, fp16_t>::merge(p, it, nsplit, split_stride, lse_stride); break;
+    default: break;
   }
 }
 
-template <class VO>
+// Every row loop steps by the vector width, so head sizes that are not a multiple of
+// VO::W (40, 72, ... on 16-lane AVX-512) run the kernels of the narrower VN (8 lanes).
+template <class VO, class VN>
+void attn_item_entry(const AttnParams& p, const WorkItem& it, float* scratch) {
+  if (p.head_size % VO::W == 0) attn_item_dtype<VO>(p, it, scratch);
+  else attn_item_dtype<VN>(p, it, scratch);
+}
+
+template <class VO, class VN>
+void merge_entry(const AttnParams& p, const WorkItem& it, int32_t nsplit, int64_t split_stride,
+                 int64_t lse_stride) {
+  if (p.head_size % VO::W == 0) merge_dtype<VO>(p, it, nsplit, split_stride, lse_stride);
+  else merge_dtype<VN>(p, it, nsplit, split_stride, lse_stride);
+}
+
+template <class VO, class VN = VO>
 KernelTable make_kernel_table(const char* name) {
-  return KernelTable{name, &attn_item_entry<VO>, &merge_entry<VO>};
+  return KernelTable{name, &attn_item_entry<VO, VN>, &merge_entry<VO, VN>};
 }

@@ -5,17 +5,14 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <string>
 
 #include "isa_generated.h"
 #include "kernel_api.h"
+#include "kernel_shapes_generated.h"
 
 namespace pagedattn {
-
-// Head sizes the kernels are instantiated and tested for (all multiples of 16).
-constexpr int64_t kSupportedHeadSizes[] = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256};
-constexpr const char* kSupportedHeadSizeList = "32, 64, 80, 96, 112, 128, 160, 192, 224, 256";
-constexpr int64_t kMaxBlockSize = 256;
 
 // ISA state (isa_dispatch.cpp).
 bool cpu_isa_supported(CpuIsa isa);
@@ -35,19 +32,35 @@ inline DType to_dtype(at::ScalarType t, const char* what) {
   return DType::kF32;
 }
 
-inline void check_head_size(int64_t hs, const char* what) {
-  for (int64_t s : kSupportedHeadSizes)
-    if (s == hs) return;
-  TORCH_CHECK_VALUE(false, what, " head_size ", hs, " is not supported; supported: ",
-                    kSupportedHeadSizeList);
+// Head and block sizes: kernel_shapes_generated.h (from pagedattn/ops/kernel_shapes.py).
+// A KV cache's dtype: the query dtype, or an fp8 format (fp8 caches take any query dtype).
+inline DType to_cache_dtype(at::ScalarType t, const char* what) {
+  if (t == at::kFloat8_e4m3fn) return DType::kFp8E4m3;
+  if (t == at::kFloat8_e5m2) return DType::kFp8E5m2;
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, what,
+                   " must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got ", t);
+  return to_dtype(t, what);
 }
 
+inline bool is_fp8(DType t) { return t == DType::kFp8E4m3 || t == DType::kFp8E5m2; }
+
+// Per-tensor fp8 scale (dequantised value = stored value * scale).
+inline void check_kv_scale(double s, const char* name) {
+  TORCH_CHECK_VALUE(std::isfinite(s) && s > 0, name, " must be a finite positive number, got ", s);
+}
+
+inline void check_head_size(int64_t hs, const char* what) {
+  TORCH_CHECK_VALUE(is_supported_head_size(hs), what, " head_size ", hs,
+                    " is not supported; expected ", kHeadSizeRule);
+}
+
+// vLLM's hints name variants for multiples of 16 and check those; the small block sizes
+// (1, 8), which no vLLM CPU variant runs, are served under any hint.
 inline void check_block_size(int64_t bs, IsaHint hint, const char* what) {
-  TORCH_CHECK_VALUE(bs == 16 || (bs % 32 == 0 && bs > 0 && bs <= kMaxBlockSize), what,
-                    " block_size ", bs, " is not supported; expected 16 or a multiple of 32 up to ",
-                    kMaxBlockSize);
+  TORCH_CHECK_VALUE(is_supported_block_size(bs), what, " block_size ", bs,
+                    " is not supported; expected ", kBlockSizeRule);
   const int64_t mult = isa_hint_block_multiple(static_cast<int64_t>(hint));
-  TORCH_CHECK_VALUE(bs % mult == 0, what, " block_size ", bs, " does not suit isa hint '",
+  TORCH_CHECK_VALUE(bs < 16 || bs % mult == 0, what, " block_size ", bs, " does not suit isa hint '",
                     isa_hint_name(static_cast<int64_t>(hint)), "', which needs a multiple of ",
                     mult);
 }
@@ -77,7 +90,7 @@ inline void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& valu
   TORCH_CHECK_TYPE(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
                    value_cache.scalar_type(), " must equal key_cache dtype ",
                    key_cache.scalar_type());
-  to_dtype(key_cache.scalar_type(), "key_cache");
+  to_cache_dtype(key_cache.scalar_type(), "key_cache");
   for (const auto* t : {&key_cache, &value_cache})
     TORCH_CHECK_VALUE(t->size(3) <= 1 || t->stride(3) == 1, "kv cache last dim must be contiguous, ",
                       "got strides ", t->strides());

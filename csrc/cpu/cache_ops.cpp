@@ -1,17 +1,40 @@
 // cpu_attn_reshape_and_cache: scatter new keys/values into the paged cache (natural layout:
-// key_cache[b, h, o, :] is the key of slot b * block_size + o). A plain row copy, so it
+// key_cache[b, h, o, :] is the key of slot b * block_size + o). A plain row copy, or for
+// fp8 caches a row quantisation (x / scale, saturated, rounded to nearest even: fp8.h); it
 // needs no ISA-specific code; all validation happens before the first write.
 #include <ATen/Parallel.h>
 
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "binding_utils.h"
 
 namespace pagedattn {
+namespace {
+#include "fp8.h"
+
+template <class F, class T>
+void quantize_row(uint8_t* dst, const T* src, int64_t n, float scale) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = fp8_encode<F>(static_cast<float>(src[d]) / scale);
+}
+
+template <class F>
+void quantize_row_any(uint8_t* dst, const char* src, at::ScalarType t, int64_t n, float scale) {
+  switch (t) {
+    case at::kFloat: return quantize_row<F>(dst, reinterpret_cast<const float*>(src), n, scale);
+    case at::kBFloat16:
+      return quantize_row<F>(dst, reinterpret_cast<const at::BFloat16*>(src), n, scale);
+    default: return quantize_row<F>(dst, reinterpret_cast<const at::Half*>(src), n, scale);
+  }
+}
+}  // namespace
 
 void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                                 at::Tensor& key_cache, at::Tensor& value_cache,
-                                const at::Tensor& slot_mapping, int64_t isa) {
+                                const at::Tensor& slot_mapping, int64_t isa, double k_scale,
+                                double v_scale) {
   const IsaHint hint = check_isa_hint(isa, "cpu_attn_reshape_and_cache");
   check_cache_pair(key_cache, value_cache);
   check_cpu(key, "key");
@@ -20,10 +43,17 @@ void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                     key.sizes());
   TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value shape ", value.sizes(),
                     " must equal key shape ", key.sizes());
-  TORCH_CHECK_TYPE(key.scalar_type() == key_cache.scalar_type() &&
-                       value.scalar_type() == key_cache.scalar_type(),
+  const DType cache_dt = to_cache_dtype(key_cache.scalar_type(), "key_cache");
+  TORCH_CHECK_TYPE(key.scalar_type() == value.scalar_type() &&
+                       (key.scalar_type() == key_cache.scalar_type() ||
+                        (is_fp8(cache_dt) && (key.scalar_type() == at::kFloat ||
+                                              key.scalar_type() == at::kBFloat16 ||
+                                              key.scalar_type() == at::kHalf))),
                    "key/value dtypes (", key.scalar_type(), ", ", value.scalar_type(),
-                   ") must equal the cache dtype ", key_cache.scalar_type());
+                   ") must equal the cache dtype ", key_cache.scalar_type(),
+                   " (fp8 caches: float32, bfloat16 or float16 key/value)");
+  check_kv_scale(k_scale, "k_scale");
+  check_kv_scale(v_scale, "v_scale");
   const int64_t num_blocks = key_cache.size(0), kvh = key_cache.size(1);
   const int64_t bs = key_cache.size(2), hs = key_cache.size(3);
   TORCH_CHECK_VALUE(key.size(1) == kvh && key.size(2) == hs, "key shape ", key.sizes(),
@@ -52,6 +82,28 @@ void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
   const auto* vp = static_cast<const char*>(value.data_ptr());
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
+  if (is_fp8(cache_dt)) {
+    const auto quantize = cache_dt == DType::kFp8E4m3 ? &quantize_row_any<Fp8E4m3>
+                                                      : &quantize_row_any<Fp8E5m2>;
+    const at::ScalarType st = key.scalar_type();
+    const auto ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+    at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;  // PAD_SLOT_ID
+        const int64_t blk = slot / bs, off = slot % bs;
+        for (int64_t h = 0; h < kvh; ++h) {
+          quantize(reinterpret_cast<uint8_t*>(kc) + blk * key_cache.stride(0) +
+                       h * key_cache.stride(1) + off * key_cache.stride(2),
+                   kp + (i * key.stride(0) + h * key.stride(1)) * es, st, hs, ks);
+          quantize(reinterpret_cast<uint8_t*>(vc) + blk * value_cache.stride(0) +
+                       h * value_cache.stride(1) + off * value_cache.stride(2),
+                   vp + (i * value.stride(0) + h * value.stride(1)) * es, st, hs, vs);
+        }
+      }
+    });
+    return;
+  }
   const int64_t row = hs * es;
   at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
@@ -73,7 +125,8 @@ void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
 TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def(
       "cpu_attn_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, Tensor slot_mapping, int isa) -> ()");
+      "Tensor(b!) value_cache, Tensor slot_mapping, int isa, float k_scale=1.0, "
+      "float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {

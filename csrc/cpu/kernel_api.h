@@ -9,16 +9,20 @@
 
 namespace pagedattn {
 
-enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kFp8E4m3 = 3, kFp8E5m2 = 4 };
 
-// Element tags for 16-bit storage types (raw bits).
+// Element tags for 16-bit and 8-bit storage types (raw bits). fp8 is a KV-cache format
+// only (fp8.h): queries and outputs stay fp32/bf16/fp16.
 struct bf16_t { uint16_t bits; };
 struct fp16_t { uint16_t bits; };
+struct fp8_e4m3_t { uint8_t bits; };
+struct fp8_e5m2_t { uint8_t bits; };
 
 // Everything a work item needs, already validated by the binding layer. Strides are in
 // elements; the last (head_size) dimension of every tensor is contiguous.
 struct AttnParams {
-  DType dtype;
+  DType dtype;             // query and output
+  DType cache_dtype;       // key/value cache: dtype, or an fp8 format
   const void* q;           // [num_tokens, num_heads, head_size]
   int64_t q_stride_tok, q_stride_head;
   void* out;               // [num_tokens, num_heads, head_size]
@@ -32,7 +36,8 @@ struct AttnParams {
   const int32_t* query_start_loc;  // [num_reqs + 1]
   const int32_t* seq_lens;         // [num_reqs]
   int32_t head_size, block_size, num_heads, num_kv_heads;
-  float scale;
+  float scale;          // fp8 caches: times k_scale (q.k is computed on the stored values)
+  float v_scale = 1.f;  // 1, or an fp8 cache's v_scale (applied to the normalized output)
   float softcap;        // 0: off
   const float* alibi;   // [num_heads] fp32 or nullptr
   const float* sink;    // [num_heads] fp32 or nullptr (raw logits)
@@ -93,7 +98,9 @@ inline size_t attn_scratch_floats(int64_t max_rows, int64_t head_size, int64_t b
   const int64_t pad = 64;  // vector-width padding of every row (covers 16-lane vectors)
   return static_cast<size_t>(max_rows * (head_size + pad) * 2 +   // packed q + accumulators
                              max_rows * (block_size + pad) +      // scores / probabilities
-                             max_rows * 8 + 1024);                // per-row softmax state
+                             max_rows * 8 + 1024 +                // per-row softmax state
+                             16 * head_size + 16 +                // one padded key group
+                             2 * block_size * head_size + 16);    // a decoded fp8 K/V block
 }
 
 }  // namespace pagedattn

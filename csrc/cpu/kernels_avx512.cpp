@@ -18,6 +18,7 @@ namespace pagedattn {
 namespace {
 #include "vec_scalar.h"
 #include "vec_avx512.h"
+#include "vec_avx2.h"
 #include "attn_kernel_impl.h"
 #include "prefill_lanes_avx512.h"
 template <>
@@ -25,7 +26,7 @@ struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 }  // namespace
 
 const KernelTable* kernels_avx512() {
-  static const KernelTable table = make_kernel_table<VecAvx512>("avx512");
+  static const KernelTable table = make_kernel_table<VecAvx512, VecAvx2>("avx512");
   return &table;
 }
 

@@ -18,29 +18,115 @@ namespace pagedattn {
 namespace {
 #include "vec_scalar.h"
 #include "vec_avx512.h"
+#include "vec_avx2.h"
 #include "attn_kernel_impl.h"
+
+// bf16 words of a key/value row for the vdpbf16ps kernels below: 32 at a time, or the
+// first 16 (rest zero). Specialised for each cache type the kernels read.
+template <class C>
+struct Bf16Src;
+template <>
+struct Bf16Src<bf16_t> {
+  static __m512i load32(const bf16_t* p) { return _mm512_loadu_si512(p); }
+  static __m512i load16(const bf16_t* p) { return _mm512_maskz_loadu_epi16(0xFFFFu, p); }
+};
+
+// fp8 -> bf16 by table: every fp8 value is a bf16 value, so a 128-entry table of the
+// magnitudes' bf16 bits (compile-time, from the scalar decode rule) and the sign bit convert
+// exactly -- subnormals, zero and NaN included -- in 6 instructions per 32 values: two
+// vpermt2w look up the 64-entry halves (index bits 0-5), bit 6 picks one, a ternlog ORs the
+// sign in. bf16 bits of 2^e * (1 + m / 2^M) for a magnitude byte (F: Fp8E4m3 / Fp8E5m2).
+template <class F>
+constexpr uint16_t fp8_magnitude_bf16_bits(uint32_t mag) {
+  if (F::is_nan(mag)) return 0x7FC0;
+  if (F::is_inf(mag)) return 0x7F80;
+  const int e = static_cast<int>(mag >> F::kMan);
+  uint32_t m = mag & ((1u << F::kMan) - 1u);
+  if (e == 0 && m == 0) return 0;
+  int exp2 = e - F::kBias;  // value = 2^exp2 * (1 + m / 2^kMan) when normal
+  if (e == 0) {             // subnormal m * 2^(1 - bias - kMan): normalise m
+    exp2 = 1 - F::kBias;
+    while (!(m & (1u << F::kMan))) {
+      m <<= 1;
+      --exp2;
+    }
+    m &= (1u << F::kMan) - 1u;
+  }
+  return static_cast<uint16_t>(((exp2 + 127) << 7) | (m << (7 - F::kMan)));
+}
+struct Bf16Table {
+  alignas(64) uint16_t bits[128];
+};
+template <class F>
+constexpr Bf16Table make_bf16_table() {
+  Bf16Table t{};
+  for (uint32_t mag = 0; mag < 128; ++mag) t.bits[mag] = fp8_magnitude_bf16_bits<F>(mag);
+  return t;
+}
+// constexpr: constant-initialised data, no load-time code compiled for this TU's ISA.
+constexpr Bf16Table kE4m3Bf16 = make_bf16_table<Fp8E4m3>();
+constexpr Bf16Table kE5m2Bf16 = make_bf16_table<Fp8E5m2>();
+
+// x: the fp8 bytes sign-extended to 16 bits (bit 15 = sign, bits 0-6 = magnitude).
+inline __m512i fp8_to_bf16(__m512i x, const Bf16Table& t) {
+  const __m512i lo = _mm512_permutex2var_epi16(_mm512_load_si512(t.bits), x,
+                                               _mm512_load_si512(t.bits + 32));
+  const __m512i hi = _mm512_permutex2var_epi16(_mm512_load_si512(t.bits + 64), x,
+                                               _mm512_load_si512(t.bits + 96));
+  const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), lo, hi);
+  return _mm512_ternarylogic_epi32(mag, x, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+}
+// bf16 queries on fp8 caches: each step's rows are decoded to bf16 once (CacheConvert,
+// attn_kernel_impl.h), then the bf16 vdpbf16ps kernels below run on them.
+template <class C, const Bf16Table& kTable>
+struct Fp8ToBf16Rows {
+  using E = bf16_t;
+  static constexpr bool kActive = true;
+  static void rows(const C* src, int64_t sst, bf16_t* dst, int n, int D) {
+    for (int r = 0; r < n; ++r) {
+      const auto* s = reinterpret_cast<const uint8_t*>(src + r * sst);
+      auto* d = reinterpret_cast<uint16_t*>(dst + static_cast<int64_t>(r) * D);
+      int c = 0;
+      for (; c + 32 <= D; c += 32)
+        _mm512_storeu_si512(d + c, fp8_to_bf16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                                   reinterpret_cast<const __m256i*>(s + c))), kTable));
+      if (c < D)  // 16 left (head sizes are multiples of 16 in this kernel)
+        _mm512_mask_storeu_epi16(d + c, 0xFFFFu, fp8_to_bf16(_mm512_cvtepi8_epi16(
+                                                     _mm256_maskz_loadu_epi8(0xFFFFu, s + c)), kTable));
+    }
+  }
+};
+template <>
+struct CacheConvert<VecAvx512, bf16_t, fp8_e4m3_t> : Fp8ToBf16Rows<fp8_e4m3_t, kE4m3Bf16> {};
+template <>
+struct CacheConvert<VecAvx512, bf16_t, fp8_e5m2_t> : Fp8ToBf16Rows<fp8_e5m2_t, kE5m2Bf16> {};
 
 // q.k: q stays bf16, vdpbf16ps multiplies 32 bf16 pairs exactly and sums in fp32.
 // head_size is a multiple of 16, so a 16-element tail is loaded masked (zeros add nothing).
-template <>
-struct Qk<VecAvx512, bf16_t> {
+template <class C>
+struct QkDp {
   using QElem = bf16_t;
+  using Src = Bf16Src<C>;
   static void pack(const bf16_t* src, QElem* dst, int D) { std::memcpy(dst, src, D * sizeof(bf16_t)); }
   // NC full 32-element chunks (+ one 16-element tail, loaded masked: zeros add nothing).
   // Key chunks are loaded into __m512i values and cast at the vdpbf16ps: casting a load
   // expression in place made GCC 12 bounce every chunk through a stack slot (~15% slower).
   template <int NC, bool TAIL>
-  static __m512i chunk(const bf16_t* row, int c) {
+  static __m512i qchunk(const bf16_t* row, int c) {
     return TAIL && c == NC ? _mm512_maskz_loadu_epi16(0xFFFFu, row + 32 * c)
                            : _mm512_loadu_si512(row + 32 * c);
   }
   template <int NC, bool TAIL>
-  static __m512 group(const QElem* q, const bf16_t* k, int64_t kst, PrefetchCursor& pf) {
+  static __m512i chunk(const C* row, int c) {
+    return TAIL && c == NC ? Src::load16(row + 32 * c) : Src::load32(row + 32 * c);
+  }
+  template <int NC, bool TAIL>
+  static __m512 group(const QElem* q, const C* k, int64_t kst, PrefetchCursor& pf) {
     constexpr int NQ = NC + (TAIL ? 1 : 0);
     __m512bh qv[NQ];
-    for (int c = 0; c < NQ; ++c) qv[c] = (__m512bh)chunk<NC, TAIL>(q, c);
+    for (int c = 0; c < NQ; ++c) qv[c] = (__m512bh)qchunk<NC, TAIL>(q, c);
     __m512 a[16];
-    const bf16_t* kr = k;
+    const C* kr = k;
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i, kr += kst) {
       pf.tick();
@@ -54,20 +140,38 @@ struct Qk<VecAvx512, bf16_t> {
     }
     return VecAvx512::reduce_lanes(a);
   }
+  // Head sizes past 256: q chunks are read from memory (too many to keep in registers).
+  static __m512 group_any(const QElem* q, const C* k, int64_t kst, int D, PrefetchCursor& pf) {
+    const int nc = D / 32;
+    __m512 a[16];
+    const C* kr = k;
+    for (int i = 0; i < 16; ++i, kr += kst) {
+      pf.tick();
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < nc; ++c)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + 32 * c),
+                               (__m512bh)Src::load32(kr + 32 * c));
+      if (D % 32 != 0)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, q + 32 * nc),
+                               (__m512bh)Src::load16(kr + 32 * nc));
+      a[i] = acc;
+    }
+    return VecAvx512::reduce_lanes(a);
+  }
   // Two rows x 16 keys, 8 keys at a time: each key chunk is loaded once for both rows
   // (half the loads of two group() calls). reduce_lanes of a[row * 8 + key] puts
   // (row, key) in lane row * 8 + key; the two halves are regrouped into one vector per row.
   template <int NC, bool TAIL>
-  static void group2(const QElem* q0, const QElem* q1, const bf16_t* k, int64_t kst, float* s0,
+  static void group2(const QElem* q0, const QElem* q1, const C* k, int64_t kst, float* s0,
                      float* s1, PrefetchCursor& pf) {
     constexpr int NQ = NC + (TAIL ? 1 : 0);
     __m512bh qa[NQ], qb[NQ];
     for (int c = 0; c < NQ; ++c) {
-      qa[c] = (__m512bh)chunk<NC, TAIL>(q0, c);
-      qb[c] = (__m512bh)chunk<NC, TAIL>(q1, c);
+      qa[c] = (__m512bh)qchunk<NC, TAIL>(q0, c);
+      qb[c] = (__m512bh)qchunk<NC, TAIL>(q1, c);
     }
     __m512 half[2];
-    const bf16_t* kr = k;
+    const C* kr = k;
     for (int h = 0; h < 2; ++h) {
       __m512 a[16];
 #pragma GCC unroll 8
@@ -90,10 +194,11 @@ struct Qk<VecAvx512, bf16_t> {
   }
   // Up to 128 dims both rows' q fit in registers next to the accumulators; beyond that
   // two single-row passes spill less.
-  static void dot_group2(const QElem* q0, const QElem* q1, const bf16_t* k, int64_t kst, int D,
+  static void dot_group2(const QElem* q0, const QElem* q1, const C* k, int64_t kst, int D,
                          float* s0, float* s1, PrefetchCursor& pf) {
     switch (D) {
       case 32: return group2<1, false>(q0, q1, k, kst, s0, s1, pf);
+      case 48: return group2<1, true>(q0, q1, k, kst, s0, s1, pf);
       case 64: return group2<2, false>(q0, q1, k, kst, s0, s1, pf);
       case 80: return group2<2, true>(q0, q1, k, kst, s0, s1, pf);
       case 96: return group2<3, false>(q0, q1, k, kst, s0, s1, pf);
@@ -105,32 +210,41 @@ struct Qk<VecAvx512, bf16_t> {
         _mm512_storeu_ps(s1, dot_group(q1, k, kst, D, none));
     }
   }
-  static __m512 dot_group(const QElem* q, const bf16_t* k, int64_t kst, int D,
-                          PrefetchCursor& pf) {
-    switch (D) {  // the supported head sizes (binding_utils.h kSupportedHeadSizes)
+  static __m512 dot_group(const QElem* q, const C* k, int64_t kst, int D, PrefetchCursor& pf) {
+    switch (D) {  // head sizes are multiples of 16 here (kernel_shapes.py; others go 8-wide)
       case 32: return group<1, false>(q, k, kst, pf);
+      case 48: return group<1, true>(q, k, kst, pf);
       case 64: return group<2, false>(q, k, kst, pf);
       case 80: return group<2, true>(q, k, kst, pf);
       case 96: return group<3, false>(q, k, kst, pf);
       case 112: return group<3, true>(q, k, kst, pf);
       case 128: return group<4, false>(q, k, kst, pf);
+      case 144: return group<4, true>(q, k, kst, pf);
       case 160: return group<5, false>(q, k, kst, pf);
+      case 176: return group<5, true>(q, k, kst, pf);
       case 192: return group<6, false>(q, k, kst, pf);
+      case 208: return group<6, true>(q, k, kst, pf);
       case 224: return group<7, false>(q, k, kst, pf);
-      default: return group<8, false>(q, k, kst, pf);
+      case 240: return group<7, true>(q, k, kst, pf);
+      case 256: return group<8, false>(q, k, kst, pf);
+      default: return group_any(q, k, kst, D, pf);
     }
   }
 };
+template <>
+struct Qk<VecAvx512, bf16_t> : QkDp<bf16_t> {};
 
 // P.V with vdpbf16ps: P is rounded to bf16 (relative error <= 2^-9 per weight, below the
 // bf16 output rounding) and consecutive keys are paired: unpacklo/hi_epi16 of V[t], V[t+1]
 // interleave them, so each fp32 accumulator lane gets p_t*v_t[d] + p_t1*v_t1[d]. The
 // unpacks permute d inside each 32-wide chunk; finish_row undoes that once per item.
 // Only for head_size % 32 == 0 (else the generic FMA path, unpermuted).
-template <>
-struct Pv<VecAvx512, bf16_t> {
-  using Base = PvGeneric<VecAvx512, bf16_t>;
+template <class C>
+struct PvDp {
+  using Base = PvGeneric<VecAvx512, C>;
+  using Src = Bf16Src<C>;
   static constexpr int kMaxRows = 4;
+  static constexpr int kMaxBlockKeys = 512;  // kernel_shapes.py MAX_BLOCK_SIZE
 
   static void finish_row(float* acc, int D) {
     if (D % 32 != 0) return;
@@ -145,7 +259,7 @@ struct Pv<VecAvx512, bf16_t> {
   }
 
   template <int RB, int NC>
-  static void tile(const uint16_t* pb, int ldp, const bf16_t* vb, int64_t vst, int t0, int t1,
+  static void tile(const uint16_t* pb, int ldp, const C* vb, int64_t vst, int t0, int t1,
                    float* acc, int D, int c0, PrefetchCursor& pf) {
     __m512 a[RB][2 * NC];
     for (int i = 0; i < RB; ++i)
@@ -156,8 +270,8 @@ struct Pv<VecAvx512, bf16_t> {
       __m512i v[2 * NC];
 #pragma GCC unroll 4
       for (int j = 0; j < NC; ++j) {
-        const __m512i x = _mm512_loadu_si512(vb + t * vst + c0 + 32 * j);
-        const __m512i y = _mm512_loadu_si512(vb + (t + 1) * vst + c0 + 32 * j);
+        const __m512i x = Src::load32(vb + t * vst + c0 + 32 * j);
+        const __m512i y = Src::load32(vb + (t + 1) * vst + c0 + 32 * j);
         v[2 * j] = _mm512_unpacklo_epi16(x, y);
         v[2 * j + 1] = _mm512_unpackhi_epi16(x, y);
       }
@@ -175,7 +289,7 @@ struct Pv<VecAvx512, bf16_t> {
       __m512i v[2 * NC];
       const __m512i z = _mm512_setzero_si512();
       for (int j = 0; j < NC; ++j) {
-        const __m512i x = _mm512_loadu_si512(vb + t * vst + c0 + 32 * j);
+        const __m512i x = Src::load32(vb + t * vst + c0 + 32 * j);
         v[2 * j] = _mm512_unpacklo_epi16(x, z);
         v[2 * j + 1] = _mm512_unpackhi_epi16(x, z);
       }
@@ -189,7 +303,7 @@ struct Pv<VecAvx512, bf16_t> {
   }
 
   template <int RB>
-  static void rows(const uint16_t* pb, int ldp, const bf16_t* vb, int64_t vst, int t0, int t1,
+  static void rows(const uint16_t* pb, int ldp, const C* vb, int64_t vst, int t0, int t1,
                    float* acc, int D, PrefetchCursor& pf) {
     int c = 0;
     for (; c + 64 <= D; c += 64) tile<RB, 2>(pb, ldp, vb, vst, t0, t1, acc, D, c, pf);
@@ -201,12 +315,12 @@ struct Pv<VecAvx512, bf16_t> {
     return (R + kMaxRows - 1) / kMaxRows * ((D + 63) / 64) * ((t1 - t0 + 1) / 2);
   }
 
-  static void pv(const float* P, int lds, int R, const bf16_t* vb, int64_t vst, int t0, int t1,
+  static void pv(const float* P, int lds, int R, const C* vb, int64_t vst, int t0, int t1,
                  float* acc, int D, PrefetchCursor& pf) {
     if (D % 32 != 0) return Base::pv(P, lds, R, vb, vst, t0, t1, acc, D, pf);
     // P rows -> bf16 (round to nearest even), 4 rows at a time on the stack.
-    alignas(64) uint16_t pb[kMaxRows * (256 + 32)];
-    const int ldp = 256 + 32;
+    constexpr int ldp = kMaxBlockKeys + 32;
+    alignas(64) uint16_t pb[kMaxRows * ldp];
     for (int r0 = 0; r0 < R; r0 += kMaxRows) {
       const int nr = std::min(kMaxRows, R - r0);
       for (int i = 0; i < nr; ++i) {
@@ -225,6 +339,8 @@ struct Pv<VecAvx512, bf16_t> {
     }
   }
 };
+template <>
+struct Pv<VecAvx512, bf16_t> : PvDp<bf16_t> {};
 #include "prefill_lanes_avx512.h"
 template <>
 struct PrefillItem<VecAvx512, bf16_t> : LanesPrefill<bf16_t> {};
@@ -233,7 +349,7 @@ struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 }  // namespace
 
 const KernelTable* kernels_avx512bf16() {
-  static const KernelTable table = make_kernel_table<VecAvx512>("avx512bf16");
+  static const KernelTable table = make_kernel_table<VecAvx512, VecAvx2>("avx512bf16");
   return &table;
 }
 

@@ -10,7 +10,7 @@ struct LanesPrefillAvx2 {
   static constexpr int L = 8;    // rows per vector
   static constexpr int KT = 6;   // keys per q.k tile
   static constexpr int DT = 6;   // d rows per P.V tile
-  static constexpr int SB = 32;  // keys per chunk (block sizes are 16 or multiples of 32)
+  static constexpr int SB = 32;  // keys per chunk (16 for blocks that are odd multiples of 16)
   static constexpr bool kConvert = !std::is_same<T, float>::value;
   static constexpr float kLazy = 8.f;
   using Kern = AttnKernel<VecAvx2, T>;
@@ -112,7 +112,7 @@ struct LanesPrefillAvx2 {
     const int R = ntok * G;
     if (it.heads() != 1 || R < L || BS % 16 != 0) return false;
     const int Rp = (R + L - 1) / L * L, NG = Rp / L;
-    const int CB = std::min(BS, SB);  // keys per chunk
+    const int CB = BS % SB == 0 ? SB : 16;  // keys per chunk: chunks never straddle blocks
     const size_t need = 2 * static_cast<size_t>(D) * Rp + static_cast<size_t>(CB) * Rp +
                         (kConvert ? static_cast<size_t>(CB) * D : 0) + 6 * static_cast<size_t>(Rp);
     if (need > attn_scratch_floats(R, D, BS)) return false;

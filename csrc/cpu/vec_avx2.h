@@ -73,6 +73,54 @@ struct VecAvx2 {
   static V cvt_load(const fp16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  // fp8 -> fp16 bits by shifts (exact), F16C to fp32. E4M3: the byte's exponent and
+  // mantissa land in fp16's, i.e. value / 256 (subnormals included), and magnitude 0x7f,
+  // which would read 480, is its NaN. E5M2 is the top byte of an fp16 (inf/NaN included).
+  static V cvt_load(const fp8_e4m3_t* p) {
+    const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7f));
+    const V x = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+    // a quiet NaN (an all-ones NaN would wrap to 0 in cvt_store's bf16 rounding)
+    return _mm256_blendv_ps(x, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                            _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
+  }
+  static V cvt_load(const fp8_e5m2_t* p) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
+  }
+  // One decoded cache row, 16 values per step: cvt_load's shifts on 16 words at once, and
+  // E4M3's NaN (magnitude 0x7f) found by one byte compare per 16 and patched lane by lane
+  // (a NaN is rare: it only gets there when the written value was NaN).
+  static void cvt_row(const fp8_e4m3_t* src, float* dst, int D) {
+    const auto* s = reinterpret_cast<const uint8_t*>(src);
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d));
+      const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                         _mm256_set1_epi16(static_cast<short>(0xBF80)));
+      const V unit = _mm256_set1_ps(256.f);
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), unit));
+      _mm256_storeu_ps(dst + d + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), unit));
+      const __m128i ones = _mm_cmpeq_epi8(_mm_or_si128(b, _mm_set1_epi8(static_cast<char>(0x80))),
+                                          _mm_set1_epi8(static_cast<char>(0xFF)));
+      if (_mm_movemask_epi8(ones) != 0)
+        for (int i = 0; i < 16; ++i)
+          if ((s[d + i] & 0x7F) == 0x7F) dst[d + i] = std::numeric_limits<float>::quiet_NaN();
+    }
+    for (; d < D; d += W) _mm256_storeu_ps(dst + d, cvt_load(src + d));
+  }
+  static void cvt_row(const fp8_e5m2_t* src, float* dst, int D) {
+    const auto* s = reinterpret_cast<const uint8_t*>(src);
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+      const __m256i h = _mm256_slli_epi16(
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d))), 8);
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+      _mm256_storeu_ps(dst + d + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
+    for (; d < D; d += W) _mm256_storeu_ps(dst + d, cvt_load(src + d));
+  }
   static void cvt_store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static void cvt_store(bf16_t* p, V v) {  // round to nearest even
     __m256i u = _mm256_castps_si256(v);

@@ -66,6 +66,23 @@ struct VecAvx512 {
   static V cvt_load(const fp16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  // fp8 -> fp16 bits -> fp32, as VecAvx2::cvt_load (E4M3's NaN by a mask blend).
+  static V cvt_load(const fp8_e4m3_t* p) {
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)),
+                                                  _mm256_set1_epi16(0x7f));
+    const V x = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    return _mm512_mask_blend_ps(nan, x, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  }
+  static V cvt_load(const fp8_e5m2_t* p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+  }
+  template <class C>  // one decoded cache row (fp8 caches; D is a multiple of 16 here)
+  static void cvt_row(const C* src, float* dst, int D) {
+    for (int d = 0; d < D; d += W) _mm512_storeu_ps(dst + d, cvt_load(src + d));
+  }
   static void cvt_store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static void cvt_store(bf16_t* p, V v) {  // round to nearest even
     __m512i u = _mm512_castps_si512(v);

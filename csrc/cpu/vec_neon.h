@@ -49,6 +49,16 @@ struct VecNeon {
   static V cvt_load(const fp16_t* p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
   }
+  template <class C>  // fp8: lane by lane through the scalar definition
+  static V cvt_load(const C* p) {
+    const float x[4] = {VecScalar::cvt_load(p), VecScalar::cvt_load(p + 1),
+                        VecScalar::cvt_load(p + 2), VecScalar::cvt_load(p + 3)};
+    return vld1q_f32(x);
+  }
+  template <class C>  // one decoded cache row (fp8 caches)
+  static void cvt_row(const C* src, float* dst, int D) {
+    for (int d = 0; d < D; d += 4) vst1q_f32(dst + d, cvt_load(src + d));
+  }
   static void cvt_store(float* p, V v) { vst1q_f32(p, v); }
   static void cvt_store(bf16_t* p, V v) {  // round to nearest even
     uint32x4_t u = vreinterpretq_u32_f32(v);

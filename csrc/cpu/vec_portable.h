@@ -59,6 +59,15 @@ struct VecPortable {
     return V{fp16_to_float(p[0].bits), fp16_to_float(p[1].bits), fp16_to_float(p[2].bits),
              fp16_to_float(p[3].bits)};
   }
+  template <class C>  // fp8: lane by lane through the scalar definition
+  static V cvt_load(const C* p) {
+    return V{VecScalar::cvt_load(p), VecScalar::cvt_load(p + 1), VecScalar::cvt_load(p + 2),
+             VecScalar::cvt_load(p + 3)};
+  }
+  template <class C>  // one decoded cache row (fp8 caches)
+  static void cvt_row(const C* src, float* dst, int D) {
+    for (int d = 0; d < D; d += W) store(dst + d, cvt_load(src + d));
+  }
   static void cvt_store(float* p, V v) { store(p, v); }
   static void cvt_store(bf16_t* p, V v) {
     for (int i = 0; i < 4; ++i) p[i].bits = float_to_bf16(v[i]);

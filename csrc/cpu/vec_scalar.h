@@ -14,6 +14,8 @@ inline void prefetch_l2(const void* p) {
 #endif
 }
 
+#include "fp8.h"
+
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 
@@ -74,6 +76,12 @@ struct VecScalar {
   static V cvt_load(const float* p) { return *p; }
   static V cvt_load(const bf16_t* p) { return bf16_to_float(p->bits); }
   static V cvt_load(const fp16_t* p) { return fp16_to_float(p->bits); }
+  static V cvt_load(const fp8_e4m3_t* p) { return fp8_decode<Fp8E4m3>(p->bits); }
+  static V cvt_load(const fp8_e5m2_t* p) { return fp8_decode<Fp8E5m2>(p->bits); }
+  template <class C>  // one decoded cache row (fp8 caches)
+  static void cvt_row(const C* src, float* dst, int D) {
+    for (int d = 0; d < D; ++d) dst[d] = cvt_load(src + d);
+  }
   static void cvt_store(float* p, V v) { *p = v; }
   static void cvt_store(bf16_t* p, V v) { p->bits = float_to_bf16(v); }
   static void cvt_store(fp16_t* p, V v) { p->bits = float_to_fp16(v); }

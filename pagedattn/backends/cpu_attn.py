@@ -36,23 +36,19 @@ from pagedattn.backend import (
     MultipleOf,
     is_quantized_kv_cache,
 )
-from pagedattn.config import EngineConfig
+from pagedattn.config import CacheDType, EngineConfig
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
+from pagedattn.ops import kernel_shapes
 from pagedattn.ops.isa import IsaHint
-from pagedattn.ops.reference import visibility_mask
-
-_SUPPORTED_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+from pagedattn.ops.reference import FP8_CACHE_DTYPES, visibility_mask
 
 
 def select_isa_hint(block_size: int, dtype: torch.dtype) -> IsaHint:
     """The kernel variant this backend runs a cache of ``block_size`` and ``dtype`` with:
     ``amx`` (bf16, block % 32 == 0, CPU with AMX), ``neon`` on Arm, else ``vec``
-    (block % 32 == 0) or ``vec16`` (block % 16 == 0). ValueError for other block sizes."""
-    if not (block_size == 16 or (block_size % 32 == 0 and 0 < block_size <= 256)):
-        raise ValueError(
-            f"block_size {block_size} is not supported by the CPU kernels; expected 16 or a "
-            "multiple of 32 (up to 256)"
-        )
+    (block % 32 == 0) or ``vec16`` (the rest: multiples of 16, and 1 and 8, which every
+    hint serves). ValueError for block sizes the kernels reject (:mod:`kernel_shapes`)."""
+    kernel_shapes.check_block_size(block_size)
     if ops.on_arm():
         return IsaHint.NEON
     if dtype == torch.bfloat16 and block_size % 32 == 0 and ops.cpu_has_amx():
@@ -61,12 +57,18 @@ def select_isa_hint(block_size: int, dtype: torch.dtype) -> IsaHint:
 
 
 class CPUAttentionBackend(AttentionBackend):
+    """Head sizes and block sizes: exactly the kernels' (:mod:`pagedattn.ops.kernel_shapes`).
+    KV cache: the model dtype (``auto``) or fp8 (``fp8`` = ``fp8_e4m3``, ``fp8_e5m2``) with
+    the layer's per-tensor ``k_scale`` / ``v_scale``."""
+
     accept_output_buffer: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
+        CacheDType.AUTO, CacheDType.FP8, CacheDType.FP8_E4M3, CacheDType.FP8_E5M2]
 
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        return [MultipleOf(16)]
+        return list(kernel_shapes.SUPPORTED_BLOCK_SIZES)
 
     @classmethod
     def get_supported_dtypes(cls) -> list[torch.dtype]:
@@ -74,7 +76,7 @@ class CPUAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(_SUPPORTED_HEAD_SIZES)
+        return list(kernel_shapes.SUPPORTED_HEAD_SIZES)
 
     @staticmethod
     def get_name() -> str:
@@ -324,10 +326,11 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
                 f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
                 f"({num_kv_heads})"
             )
-        if is_quantized_kv_cache(kv_cache_dtype):
+        if is_quantized_kv_cache(kv_cache_dtype) and str(kv_cache_dtype) not in FP8_CACHE_DTYPES:
+            valid = ", ".join(repr(d) for d in CPUAttentionBackend.supported_kv_cache_dtypes)
             raise NotImplementedError(
-                f"FP8 KV cache is unsupported in CPU_ATTN (kv_cache_dtype={kv_cache_dtype!r}); "
-                "use kv_cache_dtype='auto'"
+                f"kv_cache_dtype {kv_cache_dtype!r} is unsupported in CPU_ATTN; expected one of "
+                f"{valid}"
             )
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
@@ -339,6 +342,8 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8_cache_dtype = FP8_CACHE_DTYPES.get(str(kv_cache_dtype))
+        """``torch.float8_e4m3fn`` / ``float8_e5m2`` for an fp8 cache, else ``None``."""
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.alibi_slopes = (
             torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
@@ -406,9 +411,11 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
             return output
 
         key_cache, value_cache = kv_cache.unbind(0)
+        k_scale, v_scale = self._kv_scales(layer, kv_cache)
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             ops.cpu_attn_reshape_and_cache(
-                key, value, key_cache, value_cache, attn_metadata.slot_mapping, attn_metadata.isa
+                key, value, key_cache, value_cache, attn_metadata.slot_mapping,
+                attn_metadata.isa, k_scale=k_scale, v_scale=v_scale,
             )
 
         if attn_metadata.use_sdpa_prefill:
@@ -437,8 +444,22 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
                 softcap=self.logits_soft_cap,
                 scheduler_metadata=attn_metadata.scheduler_metadata,
                 s_aux=self.sinks,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return output
+
+    def _kv_scales(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> tuple[float, float]:
+        """The layer's per-tensor fp8 scales (1.0 for a model-dtype cache); checks that the
+        cache tensor holds the configured fp8 format."""
+        if self.fp8_cache_dtype is None:
+            return 1.0, 1.0
+        if kv_cache.dtype != self.fp8_cache_dtype:
+            raise TypeError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} needs a {self.fp8_cache_dtype} kv_cache, "
+                f"got {kv_cache.dtype}"
+            )
+        return float(layer._k_scale_float), float(layer._v_scale_float)
 
     # ------------------------------------------------------------------ SDPA path
 

@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "comma-separated")
     p.add_argument("--contenders", action="append", metavar="NAMES",
                    help="comma-separated contenders to run (pagedattn is always included)")
+    p.add_argument("--kv-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default=None,
+                   help="store every scenario's KV cache as this (fp8: per-tensor scale "
+                        "0.05); default: the suite's own, whose decode rows at context >= "
+                        "2048 also run with an fp8 cache")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads before measuring (default: torch's choice)")
     p.add_argument("--repeat", type=int, default=None,
@@ -91,6 +95,7 @@ def options_from_args(args: argparse.Namespace):
         matmul_size=extra.get("matmul_size", preset["matmul_size"]),
         interleave=args.interleave,
         warmup_s=args.warmup if args.warmup is not None else extra.get("warmup_s", 0.1),
+        kv_dtype=args.kv_dtype,
     )
 
 

@@ -155,14 +155,68 @@ class _DenseGroupPlan:
         return out
 
 
-def _sdpa(q, k, v, q_len, kv_len, scale):
+# Ways to hand GQA to SDPA (q [n, H, L, d], k/v [n, Hkv, S, d], H = Hkv * G). A user calls
+# SDPA the fastest correct way, so the dense contenders do too:
+# * "fold": the G query heads of a kv head become G * L query rows against the shared K/V
+#   (q.view(n, Hkv, G * L, d); the mask repeats per head) -- one GEMM per kv head, no
+#   K/V copy; for decode (L = 1) no mask at all. On this CPU 8-10x faster than enable_gqa
+#   for decode.
+# * "enable_gqa": SDPA's own flag.  * "repeat_interleave": copy K/V to H heads first.
+GQA_WAYS = ("fold", "enable_gqa", "repeat_interleave")
+
+
+def _sdpa(q, k, v, q_len, kv_len, scale, way: str = "fold"):
+    n, num_heads, _, d = q.shape
+    group = num_heads // k.shape[1]
     causal = q_len > 1
-    if not causal:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    if q_len == kv_len:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    mask = bottom_right_causal_mask(q_len, kv_len)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    mask = None
+    if causal and q_len != kv_len:
+        mask = bottom_right_causal_mask(q_len, kv_len)
+    if way == "fold" and group > 1:
+        qf = q.reshape(n, k.shape[1], group * q_len, d)
+        if causal:
+            mask = (mask if mask is not None else bottom_right_causal_mask(q_len, kv_len)).repeat(group, 1)
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+        return o.view(n, num_heads, q_len, d)
+    if way == "repeat_interleave" and group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    gqa = way == "enable_gqa" and group > 1
+    if causal and mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _fastest_gqa_way(inputs: ScenarioInputs, run_way) -> str:
+    """Decode: "fold" (its advantage is large and stable). Prefill and mixed: each way
+    timed on copy 0 (best of 3 after a warm call), fastest wins; ``run_way(way, copy)``."""
+    import time
+
+    s = inputs.scenario
+    if s.kind == "decode" or s.num_heads == s.num_kv_heads:
+        return "fold"
+    best, best_t = "fold", float("inf")
+    for way in GQA_WAYS:
+        run_way(way, 0)
+        t = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            run_way(way, 0)
+            t = min(t, time.perf_counter() - t0)
+        if t < best_t:
+            best, best_t = way, t
+    return best
+
+
+def _gqa_note(s: Scenario, way: str) -> str:
+    if s.num_heads == s.num_kv_heads:
+        return ""
+    if s.kind == "decode":
+        return "GQA decode: query heads folded into the query rows (no mask)"
+    return f"GQA on {s.name}: {way} (fastest of {', '.join(GQA_WAYS)})"
+
+
+def _no_fp8(s: Scenario) -> str | None:
+    return "no fp8 KV cache path" if s.is_fp8 else None
 
 
 # ------------------------------------------------------------------------ contenders
@@ -199,7 +253,8 @@ class PagedattnContender(Contender):
         if s.kind == "reshape_and_cache":
             def run(copy: int) -> None:
                 ops.cpu_attn_reshape_and_cache(inputs.new_keys[copy], inputs.new_values[copy],
-                                               kc, vc, inputs.slot_mappings[copy], isa)
+                                               kc, vc, inputs.slot_mappings[copy], isa,
+                                               k_scale=s.kv_scale, v_scale=s.kv_scale)
             return Prepared(run, cache_rows=lambda c: natural_cache_rows(inputs, kc, vc, c),
                             poison=lambda c: poison_slots(inputs, kc, vc, c), note=note)
         metadata = ops.cpu_attn_get_scheduler_metadata(
@@ -211,7 +266,7 @@ class PagedattnContender(Contender):
             ops.cpu_attention_with_kv_cache(
                 inputs.query, kc, vc, out, inputs.query_start_loc, inputs.seq_lens,
                 inputs.scale, s.causal, None, (-1, -1), inputs.block_tables[copy], 0.0,
-                metadata, None)
+                metadata, None, k_scale=s.kv_scale, v_scale=s.kv_scale)
             return out
         return Prepared(run, note=note)
 
@@ -231,7 +286,7 @@ class ReferenceContender(Contender):
             def run(copy: int) -> None:
                 reference.cpu_attn_reshape_and_cache(
                     inputs.new_keys[copy], inputs.new_values[copy], kc, vc,
-                    inputs.slot_mappings[copy])
+                    inputs.slot_mappings[copy], k_scale=s.kv_scale, v_scale=s.kv_scale)
             return Prepared(run, cache_rows=lambda c: natural_cache_rows(inputs, kc, vc, c),
                             poison=lambda c: poison_slots(inputs, kc, vc, c))
         out = torch.empty_like(inputs.query)
@@ -239,7 +294,8 @@ class ReferenceContender(Contender):
         def run(copy: int) -> torch.Tensor:
             reference.cpu_attention_with_kv_cache(
                 inputs.query, kc, vc, out, inputs.query_start_loc, inputs.seq_lens,
-                inputs.scale, s.causal, None, (-1, -1), inputs.block_tables[copy], 0.0)
+                inputs.scale, s.causal, None, (-1, -1), inputs.block_tables[copy], 0.0,
+                k_scale=s.kv_scale, v_scale=s.kv_scale)
             return out
         return Prepared(run)
 
@@ -247,7 +303,11 @@ class ReferenceContender(Contender):
 class SdpaContiguousContender(Contender):
     name = "sdpa-contiguous"
     description = ("torch SDPA on the same KV stored contiguously per request "
-                   "([batch, kv_heads, seq, d]): the no-paging baseline")
+                   "([batch, kv_heads, seq, d]): the no-paging baseline; GQA the fastest "
+                   "way (GQA_WAYS)")
+
+    def unsupported_reason(self, scenario: Scenario) -> str | None:
+        return super().unsupported_reason(scenario) or _no_fp8(scenario)
 
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
         plan = _DenseGroupPlan(inputs)
@@ -256,25 +316,36 @@ class SdpaContiguousContender(Contender):
               for _, _, ids, _, _ in plan.groups]
         scale = inputs.scale
 
-        def run(copy: int) -> torch.Tensor:
-            return plan.attend(lambda q, k, v, ql, kl: _sdpa(q, k, v, ql, kl, scale),
+        def run_way(way: str, copy: int) -> torch.Tensor:
+            return plan.attend(lambda q, k, v, ql, kl: _sdpa(q, k, v, ql, kl, scale, way),
                                lambda g, c: kv[g][c], copy)
-        return Prepared(run)
+        way = _fastest_gqa_way(inputs, run_way)
+        return Prepared(lambda copy: run_way(way, copy), note=_gqa_note(inputs.scenario, way))
 
 
 class GatherSdpaContender(Contender):
     name = "gather+sdpa"
-    description = "gather the paged blocks into contiguous K/V on every call, then torch SDPA"
+    description = ("gather the paged blocks into contiguous K/V on every call (fp8 caches: "
+                   "dequantised in the gather), then torch SDPA, GQA the fastest way")
 
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
         plan = _DenseGroupPlan(inputs)
+        s = inputs.scenario
         scale = inputs.scale
         ids_of = [ids for _, _, ids, _, _ in plan.groups]
 
-        def run(copy: int) -> torch.Tensor:
-            return plan.attend(lambda q, k, v, ql, kl: _sdpa(q, k, v, ql, kl, scale),
-                               lambda g, c: contiguous_kv(inputs, c, ids_of[g]), copy)
-        return Prepared(run)
+        def gather(g: int, c: int):
+            k, v = contiguous_kv(inputs, c, ids_of[g])
+            if s.is_fp8:
+                k = k.to(s.torch_dtype) * s.kv_scale
+                v = v.to(s.torch_dtype) * s.kv_scale
+            return k, v
+
+        def run_way(way: str, copy: int) -> torch.Tensor:
+            return plan.attend(lambda q, k, v, ql, kl: _sdpa(q, k, v, ql, kl, scale, way),
+                               gather, copy)
+        way = _fastest_gqa_way(inputs, run_way)
+        return Prepared(lambda copy: run_way(way, copy), note=_gqa_note(inputs.scenario, way))
 
 
 class FlexContender(Contender):
@@ -284,6 +355,9 @@ class FlexContender(Contender):
 
     _compiled = None
     _probe_error: str | None = None  # None: not probed yet; "": works
+
+    def unsupported_reason(self, scenario: Scenario) -> str | None:
+        return super().unsupported_reason(scenario) or _no_fp8(scenario)
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -342,17 +416,28 @@ class FlexContender(Contender):
                 masks[(q_len, kv_len)] = create_block_mask(causal, None, None, q_len, kv_len,
                                                            device="cpu")
         scale = inputs.scale
+        s = inputs.scenario
+        group = s.num_heads // s.num_kv_heads
 
         def attention(q, k, v, q_len, kv_len):
+            n, num_heads, _, d = q.shape
+            # A decode row sees every key: fold the GQA group into the query rows (see
+            # GQA_WAYS); prefill keeps flex's own GQA under its causal block mask.
+            fold = q_len == 1 and group > 1
+            if fold:
+                q = q.reshape(n, s.num_kv_heads, group, d)
             if q.shape[0] > 1:  # dynamo specialises size-1 dims; mark the others
                 for t in (q, k, v):
                     torch._dynamo.mark_dynamic(t, 0)
-            return flex(q, k, v, block_mask=masks.get((q_len, kv_len)), scale=scale,
-                        enable_gqa=True)
+            o = flex(q, k, v, block_mask=masks.get((q_len, kv_len)), scale=scale,
+                     enable_gqa=not fold)
+            return o.view(n, num_heads, q_len, d)
 
         def run(copy: int) -> torch.Tensor:
             return plan.attend(attention, lambda g, c: kv[g][c], copy)
-        return Prepared(run)
+        note = ("" if group == 1 else "GQA decode: query heads folded into the query rows"
+                if s.kind == "decode" else "GQA prefill: flex's enable_gqa")
+        return Prepared(run, note=note)
 
 
 for _c in (PagedattnContender(), ReferenceContender(), SdpaContiguousContender(),

@@ -209,7 +209,8 @@ def to_json(result: BenchResult, argv: list[str] | None = None) -> dict:
         "versions": result.versions,
         "options": {"suite": opts.suite, "scenarios": opts.scenarios, "contenders": list(result.contenders),
                     "repeat": opts.repeat, "threads": opts.threads, "budget_s": opts.budget_s,
-                    "warmup_s": opts.warmup_s, "interleave": opts.interleave},
+                    "warmup_s": opts.warmup_s, "interleave": opts.interleave,
+                    "kv_dtype": opts.kv_dtype},
         "contenders": result.contenders,
         "scenarios": scenarios,
     }

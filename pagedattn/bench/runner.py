@@ -35,7 +35,8 @@ from pagedattn import paging
 from pagedattn.bench import probes
 from pagedattn.bench.contenders import CONTENDERS, Contender, Prepared
 from pagedattn.bench.scenarios import (
-    SUITES, Scenario, ScenarioInputs, build_inputs, copies_for, select_scenarios,
+    KV_DTYPES, SUITES, Scenario, ScenarioInputs, build_inputs, copies_for, select_scenarios,
+    with_kv_dtype,
 )
 
 STATUSES = ("ok", "wrong", "unavailable", "unsupported", "error")
@@ -62,6 +63,9 @@ class BenchOptions:
     interleave: bool = False
     #: minimum seconds of untimed warm-up calls per scenario x contender (0: one call)
     warmup_s: float = 0.1
+    #: store every scenario's KV cache as this (``auto``, ``fp8``, ``fp8_e4m3``,
+    #: ``fp8_e5m2``); None keeps the suite's own (the default suite has fp8 decode rows)
+    kv_dtype: str | None = None
     #: the suite after the ``scenarios`` filter (resolved at construction)
     selected: list[Scenario] = field(init=False, repr=False)
 
@@ -83,7 +87,17 @@ class BenchOptions:
                 raise ValueError(
                     f"unknown contender {unknown[0]!r}; valid: {', '.join(valid)}")
         # Resolve the scenario filter now, so a typo fails before any probe runs.
-        self.selected = select_scenarios(SUITES[self.suite](), self.scenarios)
+        suite = SUITES[self.suite]()
+        if self.kv_dtype is not None:
+            if self.kv_dtype not in KV_DTYPES:
+                raise ValueError(
+                    f"unknown kv_dtype {self.kv_dtype!r}; valid: {', '.join(KV_DTYPES)}")
+            by_name = {}
+            for s in suite:
+                s = with_kv_dtype(s, self.kv_dtype)
+                by_name.setdefault(s.name, s)
+            suite = list(by_name.values())
+        self.selected = select_scenarios(suite, self.scenarios)
 
     def contender_names(self) -> list[str]:
         """Table columns: pagedattn first (the table is about it), then the others.
@@ -191,9 +205,16 @@ def _reference_rows(inputs: ScenarioInputs) -> tuple[torch.Tensor, torch.Tensor]
     lens = torch.tensor([s.query_lens[r] for r in ids], dtype=torch.int32)
     sub_qsl = torch.zeros(len(ids) + 1, dtype=torch.int32)
     sub_qsl[1:] = torch.cumsum(lens, 0)
+    key_cache, value_cache = inputs.key_cache, inputs.value_cache
+    table = inputs.block_tables[0][ids]
+    if s.is_fp8:  # dequantise only the checked requests' blocks (pools are GiBs)
+        used = torch.unique(table)
+        key_cache = reference.dequantize_fp8(key_cache[used.long()], s.kv_scale)
+        value_cache = reference.dequantize_fp8(value_cache[used.long()], s.kv_scale)
+        table = torch.searchsorted(used, table).to(torch.int32)
     expected = reference.paged_attention(
-        inputs.query[rows], inputs.key_cache, inputs.value_cache, sub_qsl,
-        inputs.seq_lens[ids], inputs.block_tables[0][ids], scale=inputs.scale, causal=s.causal)
+        inputs.query[rows], key_cache, value_cache, sub_qsl,
+        inputs.seq_lens[ids], table, scale=inputs.scale, causal=s.causal)
     return rows, expected
 
 
@@ -255,6 +276,10 @@ class _Checker:
         prepared.run(0)
         if prepared.cache_rows is not None:
             want = torch.stack([self.inputs.new_keys[0], self.inputs.new_values[0]])
+            if s.is_fp8:
+                from pagedattn.ops.reference import quantize_fp8
+
+                want = quantize_fp8(want, s.kv_scale, s.cache_torch_dtype)
             ok, err, tol = _compare(prepared.cache_rows(0), want, s.torch_dtype, exact=True)
             return ok, err, tol, "written cache rows, exact"
         if prepared.attend is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,6 +26,11 @@ ATTENTION_KINDS = ("decode", "prefill", "mixed")
 KINDS = ATTENTION_KINDS + ("reshape_and_cache",)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# KV-cache storage: "auto" = the model dtype, or an fp8 format (vLLM's kv_cache_dtype names).
+KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+FP8_KV_SCALE = 0.05
+"""k_scale = v_scale of fp8 scenarios: randn / 0.05 spans e4m3's normal range."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,14 @@ class Scenario:
     dtype: str = "bfloat16"
     block_size: int = 32
     causal: bool = True
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"scenario {self.name!r}: kv_dtype must be one of {tuple(KV_DTYPES)}, got "
+                f"{self.kv_dtype!r}"
+            )
         if self.kind not in KINDS:
             raise ValueError(f"scenario {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
         if self.dtype not in _DTYPES:
@@ -78,6 +89,20 @@ class Scenario:
         return _DTYPES[self.dtype]
 
     @property
+    def cache_torch_dtype(self) -> torch.dtype:
+        """dtype of the KV cache tensors: the model dtype, or the fp8 format."""
+        return KV_DTYPES[self.kv_dtype] or self.torch_dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        return KV_DTYPES[self.kv_dtype] is not None
+
+    @property
+    def kv_scale(self) -> float:
+        """Per-tensor k_scale / v_scale the cache is written and read with."""
+        return FP8_KV_SCALE if self.is_fp8 else 1.0
+
+    @property
     def batch(self) -> int:
         return len(self.seq_lens)
 
@@ -104,7 +129,8 @@ class Scenario:
 
     @property
     def short_dtype(self) -> str:
-        return _SHORT_DTYPE[self.dtype]
+        """``bf16``, or ``bf16/fp8_e4m3`` for an fp8 KV cache."""
+        return _SHORT_DTYPE[self.dtype] + (f"/{self.kv_dtype}" if self.is_fp8 else "")
 
     def describe(self) -> dict:
         """JSON-ready description (the ``scenario`` object of the results schema)."""
@@ -120,6 +146,7 @@ class Scenario:
             "dtype": self.dtype,
             "block_size": self.block_size,
             "causal": self.causal,
+            "kv_dtype": self.kv_dtype,
             "bytes": self.bytes_moved(),
             "flops": self.flops(),
         }
@@ -131,7 +158,8 @@ class Scenario:
 
     def kv_bytes(self) -> int:
         """Bytes of K and V one call must read (attention) or write (reshape_and_cache)."""
-        row = self.num_kv_heads * self.head_size * self.element_size * 2  # K and V
+        cache_element = torch.empty((), dtype=self.cache_torch_dtype).element_size()
+        row = self.num_kv_heads * self.head_size * cache_element * 2  # K and V
         if self.kind == "reshape_and_cache":
             return self.num_tokens * row
         return sum(self.seq_lens) * row
@@ -166,8 +194,20 @@ class Scenario:
         return 4 * self.head_size * self.visible_pairs() * self.num_heads
 
 
-def _decode(batch: int, ctx: int) -> Scenario:
-    return Scenario(f"decode-b{batch}-c{ctx}", "decode", (ctx,) * batch, (1,) * batch)
+def _decode(batch: int, ctx: int, kv_dtype: str = "auto") -> Scenario:
+    return with_kv_dtype(Scenario(f"decode-b{batch}-c{ctx}", "decode", (ctx,) * batch,
+                                  (1,) * batch), kv_dtype)
+
+
+def with_kv_dtype(s: Scenario, kv_dtype: str) -> Scenario:
+    """``s`` with its KV cache stored as ``kv_dtype`` (named ``<name>-<kv_dtype>``)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype == s.kv_dtype:
+        return s
+    base = s.name.removesuffix(f"-{s.kv_dtype}")
+    name = base if kv_dtype == "auto" else f"{base}-{kv_dtype}"
+    return replace(s, name=name, kv_dtype=kv_dtype)
 
 
 def _prefill(batch: int, length: int) -> Scenario:
@@ -182,7 +222,12 @@ _RESHAPE = Scenario("reshape_and_cache-4096", "reshape_and_cache", (4096,), (409
 
 def default_suite() -> list[Scenario]:
     """The full suite: decode batch 1/8/32 x context 512..8192, prefill, mixed, cache writes."""
-    decode = [_decode(b, c) for b in (1, 8, 32) for c in (512, 2048, 8192)]
+    decode = []
+    for b in (1, 8, 32):  # fp8-cache decodes next to their bf16 rows (same run, same table)
+        for c in (512, 2048, 8192):
+            decode.append(_decode(b, c))
+            if c >= 2048:
+                decode.append(_decode(b, c, "fp8"))
     return [*decode, _prefill(1, 2048), _prefill(4, 512), _MIXED, _RESHAPE]
 
 
@@ -280,20 +325,30 @@ def copies_for(scenario: Scenario, llc_bytes: int, *, factor: int = 3, max_copie
     return max(2, min(max_copies, need))
 
 
-def _random_fill(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def _random_fill(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
+                 store_as: torch.dtype | None = None, scale: float = 1.0) -> torch.Tensor:
     """Random normal data; above 16 Mi elements a random 16 Mi tile is repeated, which
     keeps multi-GiB pools cheap to build (timing does not depend on the values, and the
-    correctness check compares against the reference on the very same data)."""
+    correctness check compares against the reference on the very same data). With an fp8
+    ``store_as`` the ``dtype`` values are quantised with ``scale`` as the cache op would."""
+    from pagedattn.ops.reference import quantize_fp8
+
+    def make(n: int) -> torch.Tensor:
+        x = torch.randn(n, generator=gen, dtype=torch.float32).to(dtype)
+        return x if store_as is None else quantize_fp8(x, scale, store_as)
+
     numel = math.prod(shape)
     tile = 1 << 24
     if numel <= tile:
-        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
-    base = torch.randn(tile, generator=gen, dtype=torch.float32).to(dtype)
-    out = torch.empty(numel, dtype=dtype)
+        return make(numel).view(shape)
+    base = make(tile)
+    out = torch.empty(numel, dtype=base.dtype)
+    # fp8 tensors are moved as their bytes (torch.roll has no fp8 kernel).
+    src, dst = (base.view(torch.uint8), out.view(torch.uint8)) if store_as else (base, out)
     for start in range(0, numel, tile):
         n = min(tile, numel - start)
         # Rotate the tile so neighbouring blocks never repeat exactly.
-        out[start:start + n] = torch.roll(base, start // tile * 9973)[:n]
+        dst[start:start + n] = torch.roll(src, start // tile * 9973)[:n]
     return out.view(shape)
 
 
@@ -309,7 +364,8 @@ def build_inputs(scenario: Scenario, copies: int, *, seed: int = 0) -> ScenarioI
     per_copy = sum(blocks_per_req)
     num_blocks = 1 + per_copy * copies  # block 0 reserved
     shape = (2, num_blocks, s.num_kv_heads, bs, s.head_size)
-    kv_cache = _random_fill(shape, s.torch_dtype, gen)
+    kv_cache = _random_fill(shape, s.torch_dtype, gen,
+                            store_as=s.cache_torch_dtype if s.is_fp8 else None, scale=s.kv_scale)
 
     physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     block_tables = []

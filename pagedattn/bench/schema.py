@@ -80,6 +80,7 @@ SCHEMA: dict = {
                 "budget_s": _NUM,
                 "warmup_s": _NUM,
                 "interleave": {"type": "boolean"},
+                "kv_dtype": {"enum": [None, "auto", "fp8", "fp8_e4m3", "fp8_e5m2"]},
             },
         },
         "contenders": {
@@ -112,6 +113,7 @@ SCHEMA: dict = {
                 "dtype": {"enum": ["bfloat16", "float16", "float32"]},
                 "block_size": {"type": "integer", "minimum": 1},
                 "causal": {"type": "boolean"},
+                "kv_dtype": {"enum": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]},
                 "bytes": {"type": "integer", "minimum": 0},
                 "flops": {"type": "integer", "minimum": 0},
             },

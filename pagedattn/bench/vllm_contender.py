@@ -184,6 +184,11 @@ class VllmContender(Contender):
     def unavailable_reason(self) -> str | None:
         return load()[1]
 
+    def unsupported_reason(self, scenario) -> str | None:
+        if scenario.is_fp8:  # vLLM's CPU attention rejects fp8 KV caches
+            return "vLLM's CPU attention has no fp8 KV cache"
+        return super().unsupported_reason(scenario)
+
     def versions(self) -> dict[str, str]:
         lib, _ = load()
         if lib is None:

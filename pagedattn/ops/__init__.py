@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from pagedattn.ops import _native
+from pagedattn.ops import _native, kernel_shapes
 from pagedattn.ops._native import metadata_numel
 from pagedattn.ops.isa import (
     METADATA_HEADER,
@@ -225,6 +225,8 @@ def cpu_attn_reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     isa: str | IsaHint,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
     """Write new keys/values into the paged cache, in place.
 
@@ -232,19 +234,30 @@ def cpu_attn_reshape_and_cache(
         key, value: ``[T, num_kv_heads, head_size]`` (last dim contiguous; token/head
             strides free). Only the first ``slot_mapping.numel()`` tokens are written.
         key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``,
-            same dtype as key/value; token ``t`` goes to block ``slot // block_size``,
-            offset ``slot % block_size``.
+            same dtype as key/value, or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``
+            (then each element is stored as ``x / scale`` saturated to the format's largest
+            finite value and rounded to nearest even, NaN kept: ``reference.quantize_fp8``);
+            token ``t`` goes to block ``slot // block_size``, offset ``slot % block_size``.
         slot_mapping: int64 ``[n]``; ``-1`` (PAD_SLOT_ID, any negative) skips the token;
             ``slot >= num_blocks * block_size`` raises. Duplicate slots: unspecified winner.
         isa: kernel-variant hint; its block-size multiple is checked against the cache.
+        k_scale, v_scale: per-tensor fp8 scales (vLLM's ``layer._k_scale_float``), a float
+            or a 1-element tensor; ignored by non-fp8 caches.
     """
     hint = _parse_hint(isa)
+    ks, vs = _kv_scale(k_scale, "k_scale"), _kv_scale(v_scale, "v_scale")
     if not native_available():
         _fallback("cpu_attn_reshape_and_cache").cpu_attn_reshape_and_cache(
-            key, value, key_cache, value_cache, slot_mapping, hint.value)
+            key, value, key_cache, value_cache, slot_mapping, hint.value, ks, vs)
         return
     torch.ops.pagedattn.cpu_attn_reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, hint.code)
+        key, value, key_cache, value_cache, slot_mapping, hint.code, ks, vs)
+
+
+def _kv_scale(scale: torch.Tensor | float, name: str) -> float:
+    from pagedattn.ops.reference import kv_scale_value
+
+    return kv_scale_value(scale, name)
 
 
 def _window_pair(sliding_window: Sequence[int]) -> tuple[int, int]:
@@ -272,6 +285,8 @@ def cpu_attention_with_kv_cache(
     softcap: float,
     scheduler_metadata: torch.Tensor,
     s_aux: torch.Tensor | None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
     """Paged attention of a varlen batch; writes ``output[:query_start_loc[-1]]`` in place.
 
@@ -279,9 +294,10 @@ def cpu_attention_with_kv_cache(
         query, output: ``[num_tokens, num_heads, head_size]`` float32/bfloat16/float16;
             heads packed per token (``stride(1) == head_size``), any token stride (slices
             like ``query[:n]`` are fine). Rows past ``query_start_loc[-1]`` are untouched.
-        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, same
-            dtype; block_size 16 or a multiple of 32 up to 256; head_size one of
-            32, 64, 80, 96, 112, 128, 160, 192, 224, 256.
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, the
+            query dtype or fp8 (``float8_e4m3fn`` / ``float8_e5m2``: read as stored value
+            times ``k_scale`` / ``v_scale``, accumulated in fp32); block_size 1, 8 or a multiple of 16 up to 512; head_size a multiple of
+            8 from 32 to 512 (:mod:`pagedattn.ops.kernel_shapes`).
         query_start_loc: int32 ``[num_reqs + 1]``; seq_lens: int32 ``[num_reqs]``
             (``>= query length``).
         scale: multiplies ``q.k``. causal: hide keys after the query position.
@@ -292,15 +308,19 @@ def cpu_attention_with_kv_cache(
         softcap: ``> 0`` applies ``softcap * tanh(s / softcap)``; ``0`` = off.
         scheduler_metadata: from :func:`cpu_attn_get_scheduler_metadata` for this batch.
         s_aux: float32/bfloat16 ``[num_heads]`` sink logits or None.
+        k_scale, v_scale: per-tensor fp8 scales, a float or a 1-element tensor; ignored
+            by non-fp8 caches.
     """
     left, right = _window_pair(sliding_window)
+    ks, vs = _kv_scale(k_scale, "k_scale"), _kv_scale(v_scale, "v_scale")
     if not native_available():
         _fallback("cpu_attention_with_kv_cache").cpu_attention_with_kv_cache(
             query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
-            alibi_slopes, (left, right), block_table, softcap, scheduler_metadata, s_aux)
+            alibi_slopes, (left, right), block_table, softcap, scheduler_metadata, s_aux,
+            ks, vs)
         return
     torch.ops.pagedattn.cpu_attention_with_kv_cache(
         query, key_cache, value_cache, output, query_start_loc, seq_lens, float(scale),
         bool(causal), alibi_slopes, left, right, block_table, float(softcap),
-        scheduler_metadata, s_aux,
+        scheduler_metadata, s_aux, ks, vs,
     )

@@ -40,12 +40,13 @@ if AVAILABLE:
     # The two mutating ops return nothing: their fakes only have to exist (the mutation is
     # declared in the schema with Tensor(a!), which functionalization relies on).
     @torch.library.register_fake("pagedattn::cpu_attn_reshape_and_cache")
-    def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, isa):
+    def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, isa,
+                                k_scale=1.0, v_scale=1.0):
         return None
 
     @torch.library.register_fake("pagedattn::cpu_attention_with_kv_cache")
     def _attention_fake(query, key_cache, value_cache, output, query_start_loc, seq_lens,
                         scale, causal, alibi_slopes, sliding_window_left,
                         sliding_window_right, block_table, softcap, scheduler_metadata,
-                        s_aux):
+                        s_aux, k_scale=1.0, v_scale=1.0):
         return None

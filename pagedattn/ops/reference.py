@@ -31,11 +31,46 @@ from pagedattn import paging
 
 Layout = Literal["cpu", "flash"]
 _LAYOUTS = ("cpu", "flash")
-_FP8_CACHE_DTYPES = {
+FP8_CACHE_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def kv_scale_value(scale: "torch.Tensor | float", name: str) -> float:
+    """A per-tensor fp8 scale as a Python float: a number or a 1-element tensor, finite
+    and positive (ValueError otherwise)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{name} must be a float or a 1-element tensor, got shape "
+                             f"{tuple(scale.shape)}")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (scale > 0 and scale != float("inf")):
+        raise ValueError(f"{name} must be a finite positive number, got {scale!r}")
+    return scale
+
+
+def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """What an fp8 cache stores for ``x``: ``x / scale`` in float32, saturated to the
+    format's largest finite value (448 for e4m3fn, 57344 for e5m2; infinities too),
+    rounded to nearest even; NaN stays NaN. The native ``cpu_attn_reshape_and_cache``
+    writes exactly these bits."""
+    limit = torch.finfo(dtype).max
+    scaled = x.float() / torch.tensor(scale, dtype=torch.float32)
+    return scaled.clamp(-limit, limit).to(dtype)
+
+
+def dequantize_fp8(cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 values of an fp8 cache: stored value times ``scale`` (the fp8 -> float32
+    step is exact)."""
+    return cache.float() * scale
 
 
 def _check_layout(layout: str) -> None:
@@ -362,8 +397,14 @@ def cpu_attn_reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     isa: str | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
-    """Reference of ``pagedattn.ops.cpu_attn_reshape_and_cache`` (``isa`` is ignored)."""
+    """Reference of ``pagedattn.ops.cpu_attn_reshape_and_cache`` (``isa`` is ignored):
+    fp8 caches store :func:`quantize_fp8` of the rows; other caches ignore the scales."""
+    if key_cache.dtype in FP8_DTYPES:
+        key = quantize_fp8(key, kv_scale_value(k_scale, "k_scale"), key_cache.dtype)
+        value = quantize_fp8(value, kv_scale_value(v_scale, "v_scale"), value_cache.dtype)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layout="cpu")
 
 
@@ -382,13 +423,19 @@ def cpu_attention_with_kv_cache(
     softcap: float,
     scheduler_metadata: torch.Tensor | None = None,
     s_aux: torch.Tensor | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
     """Reference of ``pagedattn.ops.cpu_attention_with_kv_cache``: fills
-    ``output[:query_start_loc[-1]]`` (``scheduler_metadata`` is ignored)."""
+    ``output[:query_start_loc[-1]]`` (``scheduler_metadata`` is ignored). fp8 caches are
+    read as :func:`dequantize_fp8` values (float32, as the kernel accumulates)."""
     if output.shape != query.shape:
         raise ValueError(
             f"output shape {tuple(output.shape)} must equal query shape {tuple(query.shape)}"
         )
+    if key_cache.dtype in FP8_DTYPES:
+        key_cache = dequantize_fp8(key_cache, kv_scale_value(k_scale, "k_scale"))
+        value_cache = dequantize_fp8(value_cache, kv_scale_value(v_scale, "v_scale"))
     result = paged_attention(
         query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
         scale=scale, causal=causal, sliding_window=tuple(sliding_window), softcap=softcap,
@@ -418,11 +465,11 @@ def reshape_and_cache_flash(
     if kv_cache_dtype == "auto":
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layout="flash")
         return
-    if kv_cache_dtype not in _FP8_CACHE_DTYPES:
-        valid = ["auto", *_FP8_CACHE_DTYPES]
+    if kv_cache_dtype not in FP8_CACHE_DTYPES:
+        valid = ["auto", *FP8_CACHE_DTYPES]
         raise ValueError(f"kv_cache_dtype must be one of {valid}, got {kv_cache_dtype!r}")
-    k = (key.float() / float(k_scale)).to(key_cache.dtype)
-    v = (value.float() / float(v_scale)).to(value_cache.dtype)
+    k = quantize_fp8(key, kv_scale_value(k_scale, "k_scale"), key_cache.dtype)
+    v = quantize_fp8(value, kv_scale_value(v_scale, "v_scale"), value_cache.dtype)
     reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, layout="flash")
 
 
