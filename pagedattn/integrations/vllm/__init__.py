@@ -28,8 +28,23 @@ BACKEND_PATH = "pagedattn.integrations.vllm.backend.PagedAttnCPUBackend"
 _FALSY = ("0", "false", "off", "no")
 _disabled_logged: list[bool] = []  # the "disabled" line, like the "enabled" one, once
 
-# Under vLLM's logger namespace so the line is printed (and filtered) like vLLM's own.
-logger = logging.getLogger("vllm.pagedattn")
+
+def _make_logger() -> logging.Logger:
+    # vLLM configures its "vllm" logger only when an engine is created, after plugins are
+    # loaded, so a line logged through it at load time would be dropped: the plugin keeps
+    # its own stderr handler (INFO and up, not propagated, so never printed twice).
+    log = logging.getLogger("pagedattn.vllm")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pagedattn] %(message)s",
+                                               "%m-%d %H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+logger = _make_logger()
 
 
 def enabled() -> bool:

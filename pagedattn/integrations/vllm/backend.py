@@ -33,7 +33,6 @@ passed through to the kernels.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +50,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, CrossAttentionSpec, Encode
 from pagedattn import ops, paging
 from pagedattn.backends.cpu_attn import CPUAttentionBackend as _PagedAttnCPU
 from pagedattn.backends.cpu_attn import _split_queries_longer_than_keys
-
-logger = logging.getLogger("vllm.pagedattn")
+from pagedattn.integrations.vllm import logger
 
 _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
@@ -169,17 +167,18 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
         self.served_by_pagedattn = served_by_pagedattn
         self.pagedattn_isa = isa
 
-    def _serves(self) -> bool:
+    def _serves(self, block_size: int) -> bool:
         if self.served_by_pagedattn is None:
             # Not in any builder's group (e.g. a layer reading another layer's cache):
-            # decide as its group would, from the layer alone.
-            self.served_by_pagedattn = not self.unserved_reasons() and ops.native_available()
+            # decide as its group would, from the layer and its cache alone.
+            served = not self.unserved_reasons() and ops.native_available()
+            if served:
+                try:
+                    self.pagedattn_isa = ops.select_cpu_isa_hint(block_size, self._model_dtype)
+                except ValueError:
+                    served = False
+            self.served_by_pagedattn = served
         return self.served_by_pagedattn
-
-    def _isa(self, block_size: int) -> str:
-        if self.pagedattn_isa is None:
-            self.pagedattn_isa = ops.select_cpu_isa_hint(block_size, self._model_dtype)
-        return self.pagedattn_isa
 
     def _kernel_sinks(self) -> torch.Tensor | None:
         # The kernels take fp32 or bf16 sink logits; other dtypes are widened once, after
@@ -242,14 +241,14 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's keys/values into the layer's cache (decoder and cross
         attention; encoder layers write their scratch cache in ``forward``)."""
-        if not self._serves():
+        if not self._serves(kv_cache.shape[2]):
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             return
         if self.attn_type in _ENCODER_TYPES:
             return
         key_cache, value_cache = split_kv_cache(kv_cache)
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                       self._isa(key_cache.shape[2]))
+                                       self.pagedattn_isa)
 
 
 class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -272,8 +271,9 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 impl.bind(self.served_by_pagedattn, self.pagedattn_isa)
         if reasons:
             shown = ", ".join(list(impls)[:3]) + (", ..." if len(impls) > 3 else "")
-            logger.warning("pagedattn: %d attention layer(s) (%s) stay on vLLM's own CPU "
-                           "attention: %s", len(impls), shown, "; ".join(reasons))
+            logger.warning("a KV-cache group of %d attention layer(s)%s stays on vLLM's own "
+                           "CPU attention: %s", len(impls), f" ({shown})" if shown else "",
+                           "; ".join(reasons))
         self._encoder_scratch: torch.Tensor | None = None
 
     def unserved_reasons(self, impls: dict) -> list[str]:
@@ -284,6 +284,9 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if is_quantized_kv_cache(self.kv_cache_dtype):
             reasons.append(f"kv_cache_dtype={self.kv_cache_dtype!r} (pagedattn's CPU kernels "
                            "keep K/V in the model dtype)")
+        if self.head_dim not in _PagedAttnCPU.get_supported_head_sizes():
+            reasons.append(f"head_size {self.head_dim} (pagedattn's kernels take "
+                           f"{_PagedAttnCPU.get_supported_head_sizes()})")
         if self.dtype not in kernel_dtypes():
             reasons.append(f"dtype {self.dtype} (pagedattn's kernels take {kernel_dtypes()})")
         else:

@@ -87,6 +87,40 @@ def smollm2_gguf() -> Path:
     raise FileNotFoundError(f"{SMOLLM2_FILE} not found in {list(spec.submodule_search_locations)}")
 
 
+def smollm2_checkpoint(directory: str | os.PathLike | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face checkpoint directory (fp32 safetensors,
+    config, tokenizer with its chat template), converted once from the GGUF.
+
+    vLLM 0.32 does not read GGUF files, so its engine gets this directory. transformers
+    dequantises the Q4_1 weights (``gguf`` and ``accelerate`` do the reading); the result
+    is kept in ``directory`` (default: ``<venv>/pagedattn-models/``) and reused.
+    """
+    target = Path(directory or Path(sys.prefix) / "pagedattn-models") / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").is_file():
+        return target
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    partial = target.with_name(target.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantised now
+    config.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # shares storage with the embedding
+    save_file({k: v.contiguous() for k, v in state.items()}, partial / "model.safetensors")
+    partial.rename(target)
+    return target
+
+
 def long_document_prompt(num_tokens_hint: int, index: int) -> str:
     """A chat-free prompt of roughly ``num_tokens_hint`` tokens (different per index, so
     prefix caching cannot share it across requests)."""
@@ -187,9 +221,10 @@ def _prompt_inputs(llm, prompts, chat: bool):
     if not chat:
         return list(prompts)
     tokenizer = llm.get_tokenizer()
-    return [{"prompt_token_ids": tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)}
-        for q in prompts]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                           add_generation_prompt=True, tokenize=False)
+             for q in prompts]
+    return [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)} for t in texts]
 
 
 def greedy(llm, prompts, max_tokens: int, chat: bool = False, logprobs: int = 2) -> list[dict]:

