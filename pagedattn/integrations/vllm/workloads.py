@@ -190,6 +190,7 @@ class EngineSpec:
     skip_tokenizer_init: bool = False
     kv_cache_gib: float = 1.0
     prefix_caching: bool = True
+    log_stats: bool = False
     seed: int = 0
 
     def build(self):
@@ -199,17 +200,20 @@ class EngineSpec:
                       enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                       skip_tokenizer_init=self.skip_tokenizer_init, seed=self.seed,
                       kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)),
-                      enable_prefix_caching=self.prefix_caching)
+                      enable_prefix_caching=self.prefix_caching,
+                      disable_log_stats=not self.log_stats)
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         return LLM(**kwargs)
 
 
-def shutdown(llm) -> None:
-    """Free an engine so the next one can start in the same process."""
+def release_engine() -> None:
+    """After the caller dropped its last reference to an ``LLM``: collect it and tear down
+    vLLM's process groups, so the next engine can start in this process. (An engine still
+    referenced while the next one starts would tear down the new one's groups when it is
+    finally collected.)"""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    del llm
     gc.collect()
     cleanup_dist_env_and_memory()
 
@@ -261,17 +265,22 @@ def teacher_forced_logprobs(llm, sequences: list[list[int]], prompt_lens: list[i
 
 @dataclass
 class Timing:
-    """One timed generate call: wall time and tokens."""
+    """One timed generate call. With ``log_stats`` engines, the engine's own per-request
+    timestamps split it into prefill (scheduled -> last first token) and decode (last
+    first token -> last token); size ``max_num_batched_tokens`` so that all prompts are
+    prefilled in one step, and the decode span is then pure decoding."""
 
     seconds: float
     prompt_tokens: int
     output_tokens: int
-    first_token_s: float | None = None
+    ttft_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    decode_tokens: int | None = None
 
 
 def timed_generate(llm, prompts, max_tokens: int, chat: bool) -> Timing:
-    """Greedy generation of ``max_tokens`` per prompt (EOS ignored), timed end to end, with
-    vLLM's own per-request first-token time when it reports one."""
+    """Greedy generation of ``max_tokens`` per prompt (EOS ignored), timed end to end."""
     from vllm import SamplingParams
 
     inputs = _prompt_inputs(llm, prompts, chat)
@@ -279,13 +288,16 @@ def timed_generate(llm, prompts, max_tokens: int, chat: bool) -> Timing:
                             detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    first = None
-    metrics = getattr(outs[0], "metrics", None)
-    if metrics is not None and getattr(metrics, "first_token_latency", None):
-        first = float(metrics.first_token_latency)
-    return Timing(seconds, sum(len(o.prompt_token_ids) for o in outs),
-                  sum(len(o.outputs[0].token_ids) for o in outs), first)
+    timing = Timing(time.perf_counter() - t0, sum(len(o.prompt_token_ids) for o in outs),
+                    sum(len(o.outputs[0].token_ids) for o in outs))
+    stats = [o.metrics for o in outs]
+    if all(m is not None and m.first_token_ts > 0 for m in stats):
+        last_first = max(m.first_token_ts for m in stats)
+        timing.ttft_s = max(m.first_token_latency for m in stats)
+        timing.prefill_s = last_first - min(m.scheduled_ts for m in stats)
+        timing.decode_s = max(m.last_token_ts for m in stats) - last_first
+        timing.decode_tokens = timing.output_tokens - len(outs)
+    return timing
 
 
 def run_in_subprocess(args: list[str], plugin: bool, timeout: float, module: bool = True,
@@ -338,9 +350,10 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
     """Run engine jobs one after another in this process.
 
     A job is ``{"engine": EngineSpec fields, "greedy": {"prompts", "max_tokens", "chat"},
-    "teacher_forced_on": j}``, both parts optional: ``greedy`` generates; ``teacher_forced_on``
-    scores the greedy path of job ``j`` (this job or an earlier one: prompt + generated
-    ids) with :func:`teacher_forced_logprobs`.
+    "teacher_forced_on": j}`` or ``... "teacher_forced": {"sequences", "prompt_lens"}``,
+    parts optional: ``greedy`` generates; ``teacher_forced_on`` scores the greedy path of
+    job ``j`` (this job or an earlier one: prompt + generated ids), ``teacher_forced`` the
+    given sequences, with :func:`teacher_forced_logprobs`.
     """
     counts = _count_kernel_calls()
     results: list[dict] = []
@@ -359,13 +372,17 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
                 raise ValueError(f"job {index}: teacher_forced_on={source} must name this job "
                                  "or an earlier one")
             path = (result if source == index else results[source])["greedy"]
-            result["teacher_forced"] = teacher_forced_logprobs(
-                llm, [p["prompt_ids"] + p["ids"] for p in path],
-                [len(p["prompt_ids"]) for p in path])
+            job["teacher_forced"] = {"sequences": [p["prompt_ids"] + p["ids"] for p in path],
+                                     "prompt_lens": [len(p["prompt_ids"]) for p in path]}
+        if "teacher_forced" in job:
+            tf = job["teacher_forced"]
+            result["teacher_forced"] = teacher_forced_logprobs(llm, tf["sequences"],
+                                                               tf["prompt_lens"])
         result["run_s"] = time.perf_counter() - t0 - start_s
         result.update(counts)
         results.append(result)
-        shutdown(llm)
+        del llm
+        release_engine()
     return results
 
 
