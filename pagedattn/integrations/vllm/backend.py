@@ -214,6 +214,11 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
         if self.attn_type in _ENCODER_TYPES:
             if key is None or value is None:
                 raise ValueError(f"{self.attn_type} attention needs this step's key and value")
+            if attn_metadata.encoder_cache is None:
+                raise RuntimeError(
+                    f"{self.attn_type} layer got metadata without an encoder scratch cache: its "
+                    "KV-cache group is not an EncoderOnlyAttentionSpec group"
+                )
             key_cache, value_cache = attn_metadata.encoder_cache.unbind(0)
             ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
                                            attn_metadata.slot_mapping, attn_metadata.isa)
