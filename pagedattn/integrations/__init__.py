@@ -1,0 +1,1 @@
+"""Integrations of pagedattn's kernels into other inference engines (optional extras)."""
