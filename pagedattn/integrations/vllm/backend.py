@@ -49,7 +49,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, CrossAttentionSpec, Encode
 
 from pagedattn import ops, paging
 from pagedattn.backends.cpu_attn import CPUAttentionBackend as _PagedAttnCPU
-from pagedattn.backends.cpu_attn import _split_queries_longer_than_keys
+from pagedattn.backends.cpu_attn import _split_queries_longer_than_keys, select_isa_hint
 from pagedattn.integrations.vllm import logger
 
 _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
@@ -174,7 +174,7 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
             served = not self.unserved_reasons() and ops.native_available()
             if served:
                 try:
-                    self.pagedattn_isa = ops.select_cpu_isa_hint(block_size, self._model_dtype)
+                    self.pagedattn_isa = select_isa_hint(block_size, self._model_dtype)
                 except ValueError:
                     served = False
             self.served_by_pagedattn = served
@@ -268,7 +268,7 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         reasons = self.unserved_reasons(impls)
         self.served_by_pagedattn = not reasons
         self.pagedattn_isa = (
-            ops.select_cpu_isa_hint(self.block_size, self.dtype) if self.served_by_pagedattn
+            select_isa_hint(self.block_size, self.dtype) if self.served_by_pagedattn
             else None
         )
         for impl in impls.values():
@@ -296,7 +296,7 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             reasons.append(f"dtype {self.dtype} (pagedattn's kernels take {kernel_dtypes()})")
         else:
             try:
-                ops.select_cpu_isa_hint(self.block_size, self.dtype)
+                select_isa_hint(self.block_size, self.dtype)
             except ValueError as exc:
                 reasons.append(str(exc))
         layers_by_reason: dict[str, list[str]] = {}
