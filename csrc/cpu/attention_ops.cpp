@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -31,6 +32,9 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 void check_heads(int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, "num_heads (", num_heads,
                     ") and num_kv_heads (", num_kv_heads, ") must be positive");
+  TORCH_CHECK_VALUE(num_heads <= INT32_MAX && num_kv_heads <= INT32_MAX, "num_heads (",
+                    num_heads, ") and num_kv_heads (", num_kv_heads, ") must be at most ",
+                    INT32_MAX, " (int32)");
   TORCH_CHECK_VALUE(num_heads % num_kv_heads == 0, "num_heads (", num_heads,
                     ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
 }
@@ -102,12 +106,12 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
   // Split the key range of single-tile (decode-like) requests only when there are too few
   // items to keep every thread busy; the window hint is not used so that results never
   // depend on it (the op clamps splits to the visible range anyway).
-  int64_t base_items = 0;
-  for (int64_t r = 0; r < num_reqs; ++r) {  // decode-like requests: one item for all heads
-    const int64_t q_len = qsl[r + 1] - qsl[r];
-    base_items += q_len <= tile ? 1 : num_kv_heads * ceil_div(q_len, tile);
-  }
   const int64_t target = 4 * threads;
+  int64_t base_items = 0;  // counted up to target only (no overflow for huge batches)
+  for (int64_t r = 0; r < num_reqs && base_items < target; ++r) {
+    const int64_t q_len = qsl[r + 1] - qsl[r];  // decode-like requests: one item, all heads
+    base_items += q_len <= tile ? 1 : std::min(target, num_kv_heads * ceil_div(q_len, tile));
+  }
   for (int64_t r = 0; r < num_reqs; ++r) {
     int64_t splits = 1;
     const int64_t q_len = qsl[r + 1] - qsl[r];
@@ -132,6 +136,7 @@ class Workspace {
     if (n > capacity_) {
       const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
       buf_.reset();  // free the old buffer first: never hold both
+      capacity_ = 0;  // if the allocation below fails, the next call must allocate again
       buf_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
       TORCH_CHECK(buf_ != nullptr, "pagedattn: could not allocate ", bytes,
                   " bytes of attention scratch");
@@ -181,6 +186,8 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   // ---- tensors: device, dtype, rank, strides, shapes
   check_cpu(query, "query");
   check_cpu(output, "output");
+  check_cpu(key_cache, "key_cache");
+  check_cpu(value_cache, "value_cache");
   const DType dt = to_dtype(query.scalar_type(), "query");
   TORCH_CHECK_VALUE(query.dim() == 3, "query must be 3-D [num_tokens, num_heads, head_size], got shape ",
                     query.sizes());
@@ -208,6 +215,11 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   for (const auto* t : {&key_cache, &value_cache})
     TORCH_CHECK_VALUE(t->stride(2) == hs, "kv cache blocks must store token rows contiguously ",
                       "(stride(2) == head_size ", hs, "), got strides ", t->strides());
+  // Rows written through one address (an expand()ed output) would race and be garbage.
+  TORCH_CHECK_VALUE(num_tokens <= 1 || output.stride(0) >= num_heads * hs,
+                    "output rows overlap: token stride ", output.stride(0),
+                    " < num_heads * head_size (", num_heads * hs,
+                    "); output needs its own storage per token (not an expand()ed tensor)");
 
   check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1);
   check_index_tensor(seq_lens, "seq_lens", at::kInt, 1);
@@ -222,9 +234,23 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   TORCH_CHECK_VALUE(sliding_window_left >= -1 && sliding_window_right >= -1,
                     "sliding window must be -1 (unbounded) or >= 0, got (", sliding_window_left,
                     ", ", sliding_window_right, ")");
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
-  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap must be >= 0 (0 = off), got ",
-                    softcap);
+  // The kernels compute in fp32: scale and softcap must survive the conversion (a cap
+  // of 1e-46 became 0.0f, i.e. capping silently off), and scale / softcap too.
+  constexpr double kFltMax = std::numeric_limits<float>::max();
+  constexpr double kFltMin = std::numeric_limits<float>::min();
+  TORCH_CHECK_VALUE(std::isfinite(scale) && std::abs(scale) <= kFltMax,
+                    "scale must be finite in float32 (|scale| <= ", kFltMax, "), got ", scale);
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap >= kFltMin && softcap <= kFltMax &&
+                                     std::isfinite(static_cast<float>(scale) /
+                                                   static_cast<float>(softcap))),
+                    "softcap must be 0 (off) or a normal float32 in [", kFltMin, ", ", kFltMax,
+                    "] with scale / softcap finite in float32, got softcap ", softcap,
+                    " (scale ", scale, ")");
+  // Positions are < 2^31, so any window of 2^32 or more hides nothing: clamping keeps
+  // pos +- window far from int64 overflow without changing the result.
+  constexpr int64_t kUnboundedWindow = int64_t{1} << 32;
+  sliding_window_left = std::min(sliding_window_left, kUnboundedWindow);
+  sliding_window_right = std::min(sliding_window_right, kUnboundedWindow);
 
   at::Tensor alibi_f, sink_f;
   if (alibi_slopes.has_value()) {
@@ -253,10 +279,12 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   TORCH_CHECK_VALUE(meta_c.numel() >= kMetaHeaderSize && md[kMetaMagic] == kMetaMagicValue &&
                         md[kMetaVersion] == kMetaVersionValue,
                     "scheduler_metadata was not produced by cpu_attn_get_scheduler_metadata");
-  TORCH_CHECK_VALUE(md[kMetaNumReqs] == num_reqs &&
-                        meta_c.numel() == kMetaHeaderSize + kMetaFieldsPerReq * num_reqs,
-                    "scheduler_metadata was built for ", md[kMetaNumReqs],
-                    " requests, this call has ", num_reqs);
+  TORCH_CHECK_VALUE(md[kMetaNumReqs] == num_reqs, "scheduler_metadata was built for ",
+                    md[kMetaNumReqs], " requests, this call has ", num_reqs);
+  TORCH_CHECK_VALUE(meta_c.numel() == kMetaHeaderSize + kMetaFieldsPerReq * num_reqs,
+                    "scheduler_metadata has ", meta_c.numel(), " elements; metadata for ",
+                    num_reqs, " requests has ", kMetaHeaderSize + kMetaFieldsPerReq * num_reqs,
+                    " (truncated or corrupt)");
   TORCH_CHECK_VALUE(md[kMetaNumHeads] == num_heads && md[kMetaNumKvHeads] == num_kv_heads &&
                         md[kMetaHeadDim] == hs,
                     "scheduler_metadata was built for (num_heads, num_kv_heads, head_dim) = (",
@@ -269,7 +297,9 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   const IsaHint hint = check_isa_hint(md[kMetaHint], "cpu_attention_with_kv_cache");
   check_block_size(bs, hint, "kv cache");
   const int64_t tile = md[kMetaQTileTokens];
-  TORCH_CHECK_VALUE(tile >= 1, "scheduler_metadata is corrupt (q_tile_tokens ", tile, ")");
+  TORCH_CHECK_VALUE(tile == q_tile_tokens_for(num_heads / num_kv_heads),
+                    "scheduler_metadata is corrupt: q_tile_tokens ", tile, ", expected ",
+                    q_tile_tokens_for(num_heads / num_kv_heads));
 
   // ---- lengths and block ids (only the blocks each request actually reads)
   const at::Tensor qsl_c = query_start_loc.contiguous(), sl_c = seq_lens.contiguous();

@@ -206,6 +206,9 @@ def cpu_attn_get_scheduler_metadata(
         ``torch.get_num_threads()``; the attention op rejects it if that changed.
     """
     hint = _parse_hint(isa)
+    # A load-balancing hint: any window past int64 (left + 1 of an int64 left) is unbounded.
+    if isinstance(sliding_window_size, int) and sliding_window_size > _INT64_MAX:
+        sliding_window_size = _INT64_MAX
     if not native_available():
         _fallback("cpu_attn_get_scheduler_metadata")
         meta = torch.zeros(metadata_numel(num_reqs), dtype=torch.int32)
@@ -251,12 +254,15 @@ def cpu_attn_reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping, hint.code)
 
 
+_INT64_MAX = 2 ** 63 - 1
+
+
 def _window_pair(sliding_window: Sequence[int]) -> tuple[int, int]:
     if (not isinstance(sliding_window, (tuple, list)) or len(sliding_window) != 2
-            or not all(isinstance(w, int) and w >= -1 for w in sliding_window)):
+            or not all(isinstance(w, int) and -1 <= w <= _INT64_MAX for w in sliding_window)):
         raise ValueError(
-            f"sliding_window must be a (left, right) pair of ints >= -1 (-1 = unbounded), "
-            f"got {sliding_window!r}"
+            f"sliding_window must be a (left, right) pair of ints in [-1, 2**63 - 1] "
+            f"(-1 = unbounded), got {sliding_window!r}"
         )
     return int(sliding_window[0]), int(sliding_window[1])
 
