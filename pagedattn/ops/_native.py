@@ -8,6 +8,10 @@ False and :data:`LOAD_ERROR` says why (the public wrappers fall back to the refe
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 import torch
 
 from pagedattn.ops.isa import METADATA_FIELDS_PER_REQ, METADATA_HEADER
@@ -16,7 +20,18 @@ AVAILABLE = False
 LOAD_ERROR: str | None = None
 
 try:
-    from pagedattn import _C  # noqa: F401  (registers torch.ops.pagedattn.*)
+    if os.environ.get("PAGEDATTN_NATIVE_LIB"):
+        # Another build of the extension (make test-sanitize: the ASan/UBSan one).
+        _spec = importlib.util.spec_from_file_location("pagedattn._C",
+                                                       os.environ["PAGEDATTN_NATIVE_LIB"])
+        if _spec is None:
+            raise ImportError(f"PAGEDATTN_NATIVE_LIB={os.environ['PAGEDATTN_NATIVE_LIB']!r} "
+                              "is not a loadable extension")
+        _C = importlib.util.module_from_spec(_spec)
+        sys.modules["pagedattn._C"] = _C
+        _spec.loader.exec_module(_C)
+    else:
+        from pagedattn import _C  # noqa: F401  (registers torch.ops.pagedattn.*)
 
     AVAILABLE = hasattr(torch.ops.pagedattn, "cpu_attention_with_kv_cache")
     if not AVAILABLE:
