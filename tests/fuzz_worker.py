@@ -364,6 +364,27 @@ def m_meta_splits(m, a, b, k):
     return "benign"
 
 
+def m_meta_plan_word(m, a, b, k):
+    """Any word after the fixed header: per-request fields, jobs, merges."""
+    meta = a["scheduler_metadata"].clone()
+    first = len(ops.METADATA_HEADER)
+    if meta.numel() <= first:
+        return None
+    meta[first + k % (meta.numel() - first)] += [1, -1, 1 << 20, -(1 << 30)][k % 4]
+    a["scheduler_metadata"] = meta
+    return r"scheduler_metadata"
+
+
+def m_meta_stale(m, a, b, k):
+    """Metadata planned for the same requests with other lengths (another step)."""
+    sl = m["seq_lens"].clone()
+    if sl.numel() == 0:
+        return None
+    sl[k % sl.numel()] += 1 + k % 5
+    a["scheduler_metadata"] = ops.cpu_attn_get_scheduler_metadata(**{**m, "seq_lens": sl})
+    return r"scheduler_metadata does not match"
+
+
 ATTENTION_MUTATIONS = {f.__name__[2:]: f for f in [
     m_query_dtype, m_output_dtype, m_query_rank, m_cache_rank, m_value_cache_shape,
     m_cache_dtype, m_head_size_mismatch, m_heads_not_multiple, m_query_heads_strided,
@@ -371,7 +392,8 @@ ATTENTION_MUTATIONS = {f.__name__[2:]: f for f in [
     m_block_table_rows, m_block_table_dtype, m_seq_len_short, m_qsl_first, m_qsl_decreasing,
     m_qsl_past_tokens, m_qsl_length, m_index_dtype, m_alibi, m_sinks, m_window, m_softcap,
     m_scale, m_meta_none, m_tensor_none, m_meta_magic, m_meta_length, m_meta_field,
-    m_meta_dtype, m_output_shape, m_output_overlap, m_meta_splits]}
+    m_meta_dtype, m_output_shape, m_output_overlap, m_meta_splits, m_meta_plan_word,
+    m_meta_stale]}
 
 # Mutations of the scheduler-metadata op's own arguments.
 METADATA_MUTATIONS = {

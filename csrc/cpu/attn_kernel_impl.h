@@ -603,7 +603,7 @@ struct AttnKernel {
         continue;
       }
       float denom = p.sink != nullptr ? std::exp(p.sink[h] - mx) : 0.f;
-      float wts[64];
+      float wts[kMaxSplits];
       for (int s = 0; s < nsplit; ++s) {
         const float lse = it.part_lse[s * lse_stride + r];
         wts[s] = lse == kNegInf ? 0.f : std::exp(lse - mx);
@@ -619,8 +619,6 @@ struct AttnKernel {
     }
   }
 };
-
-constexpr int kMaxSplits = 64;  // merge keeps per-split weights on the stack
 
 template <class VO>
 void attn_item_entry(const AttnParams& p, const WorkItem& it, float* scratch) {

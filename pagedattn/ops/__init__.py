@@ -202,8 +202,11 @@ def cpu_attn_get_scheduler_metadata(
         enable_kv_split: allow splitting long key ranges over threads (decode).
 
     Returns:
-        Opaque int32 tensor of :func:`metadata_numel(num_reqs)` elements. It records
-        ``torch.get_num_threads()``; the attention op rejects it if that changed.
+        Opaque int32 tensor: a header, per-request fields and the whole work partition of
+        the step (at least :func:`metadata_numel(num_reqs)` elements), so every layer's
+        attention call only checks it and executes. It records ``torch.get_num_threads()``
+        and a checksum of itself and the lengths; the attention op rejects it if the
+        threads changed or it does not match the call's ``query_start_loc``/``seq_lens``.
     """
     hint = _parse_hint(isa)
     # A load-balancing hint: any window past int64 (left + 1 of an int64 left) is unbounded.
@@ -215,7 +218,8 @@ def cpu_attn_get_scheduler_metadata(
         header = dict(magic=METADATA_MAGIC, version=METADATA_VERSION, num_reqs=num_reqs,
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       num_threads=torch.get_num_threads(), hint=hint.code, causal=int(causal),
-                      enable_kv_split=int(enable_kv_split), q_tile_tokens=1)
+                      enable_kv_split=int(enable_kv_split), q_tile_tokens=1, num_jobs=0,
+                      num_merges=0, num_slots=0, slot_rows=0, max_rows=1, checksum=0)
         meta[: len(METADATA_HEADER)] = torch.tensor([header[k] for k in METADATA_HEADER])
         return meta
     return torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(

@@ -41,7 +41,8 @@ except ImportError as exc:  # not built, or built against another torch
 
 
 def metadata_numel(num_reqs: int) -> int:
-    """Length of the int32 scheduler-metadata tensor for ``num_reqs`` requests."""
+    """Length of the scheduler metadata's header and per-request fields for ``num_reqs``
+    requests: the whole tensor (the work partition follows) is at least this long."""
     return len(METADATA_HEADER) + len(METADATA_FIELDS_PER_REQ) * num_reqs
 
 
@@ -50,7 +51,9 @@ if AVAILABLE:
     @torch.library.register_fake("pagedattn::cpu_attn_get_scheduler_metadata")
     def _metadata_fake(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype,
                        query_start_loc, causal, sliding_window_size, isa, enable_kv_split):
-        return seq_lens.new_empty((metadata_numel(num_reqs),), dtype=torch.int32)
+        # The plan's length depends on the query lengths (data): a dynamic size.
+        size = torch.library.get_ctx().new_dynamic_size(min=metadata_numel(num_reqs))
+        return seq_lens.new_empty((size,), dtype=torch.int32)
 
     # The two mutating ops return nothing: their fakes only have to exist (the mutation is
     # declared in the schema with Tensor(a!), which functionalization relies on).
