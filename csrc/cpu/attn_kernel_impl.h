@@ -18,15 +18,52 @@
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Softcapped scores: cap * tanh(s * scale / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
-// saturates cleanly at both ends (0 and ~1.7e38), absolute error ~1e-7 near 0.
-// two_over = 2 * scale / cap. Shared by softmax_row and the rows-in-lanes prefill kernels.
+// Softcapped scores: cap * tanh(s * scale / cap), accurate over the whole range.
+// 1 - 2 / (exp(2x) + 1) alone has an absolute error ~1e-7, i.e. no relative precision
+// once |x| << 1 (cap 1e6 over scores ~1 gave output errors ~0.1). So x = a + b with
+// a = clamp(x, -c, c) and tanh(x) = (tanh a + tanh b) / (1 + tanh a tanh b): tanh a from
+// its odd series (relative error < 1e-8 for |a| <= c), tanh b from the exp formula, which
+// is exactly 0 for b = 0 (|x| <= c) and otherwise adds an absolute error ~1e-7 next to
+// |tanh x| >= tanh c. Saturates to +-1 at +-inf. scale_over_cap = scale / cap (finite,
+// checked by the binding). Shared by softmax_row and the rows-in-lanes prefill kernels.
 template <class VO>
-inline typename VO::V softcap_scores(typename VO::V s, typename VO::V two_over,
+inline typename VO::V softcap_scores(typename VO::V s, typename VO::V scale_over_cap,
                                      typename VO::V cap) {
-  const typename VO::V one = VO::set1(1.f);
-  const typename VO::V e = VO::exp(VO::mul(s, two_over));
-  return VO::mul(cap, VO::add(one, VO::mul(VO::set1(-1.f), VO::div(VO::set1(2.f), VO::add(e, one)))));
+  using V = typename VO::V;
+  const V x = VO::mul(s, scale_over_cap);
+  const V neg = VO::set1(-1.f), one = VO::set1(1.f), minus_c = VO::set1(-0.25f);
+  // a = min(max(x, -c), c), written with max only: min(u, v) = -max(-u, -v).
+  const V a = VO::mul(neg, VO::max(VO::mul(neg, VO::max(x, minus_c)), minus_c));
+  const V b = VO::add(x, VO::mul(neg, a));
+  const V a2 = VO::mul(a, a);
+  V series = VO::set1(62.f / 2835.f);  // tanh a = a (1 - a^2/3 + 2a^4/15 - 17a^6/315 + ...)
+  series = VO::fma(series, a2, VO::set1(-17.f / 315.f));
+  series = VO::fma(series, a2, VO::set1(2.f / 15.f));
+  series = VO::fma(series, a2, VO::set1(-1.f / 3.f));
+  series = VO::fma(series, a2, one);
+  const V ta = VO::mul(a, series);
+  const V e = VO::exp(VO::add(b, b));
+  const V tb = VO::add(one, VO::mul(neg, VO::div(VO::set1(2.f), VO::add(e, one))));
+  return VO::mul(cap, VO::div(VO::add(ta, tb), VO::fma(ta, tb, one)));
+}
+
+// Whether every row r < R sees all keys [a, b] (its visible range [lo[r], hi[r]] covers it).
+template <class I>
+inline bool every_row_sees(const I* lo, const I* hi, int R, int64_t a, int64_t b) {
+  for (int r = 0; r < R; ++r)
+    if (lo[r] > a || hi[r] < b) return false;
+  return true;
+}
+
+// Whether V rows [t0, t1) of a block hold a NaN or inf. Kernels that share one P.V over
+// rows with different visible keys give a key a row cannot see weight 0, and 0 * NaN =
+// NaN: blocks where the rows differ check this and then sum each row's own keys only.
+template <class T>
+inline bool rows_have_nonfinite(const T* v, int64_t vst, int t0, int t1, int D) {
+  bool bad = false;
+  for (int t = t0; t < t1; ++t)
+    for (int d = 0; d < D; ++d) bad |= !std::isfinite(VecScalar::cvt_load(v + t * vst + d));
+  return bad;
 }
 
 // Walks the cache lines of one K block and one V block (a step ahead), issuing
@@ -192,10 +229,11 @@ struct Pv : PvGeneric<VO, C> {};
 
 // Row state of a rows-in-lanes prefill item (prefill_lanes_*.h), rows token-major and padded
 // to Rp: each row's visible keys [lo, hi] (empty, 1 > 0, for padding rows), its negated
-// position and ALiBi slope, and the running max/sum; [*ulo, *uhi] is the union of the rows'
+// position (int32: ALiBi's j - p is formed in integers, fp32 positions lose bits past
+// 2^24) and ALiBi slope, and the running max/sum; [*ulo, *uhi] is the union of the rows'
 // visible keys (*ulo > *uhi: none).
 inline void init_lane_rows(const AttnParams& p, const WorkItem& it, int Rp, int32_t* lo,
-                           int32_t* hi, float* apos, float* slope, float* m, float* l,
+                           int32_t* hi, int32_t* neg_pos, float* slope, float* m, float* l,
                            int64_t* ulo, int64_t* uhi) {
   const int G = p.num_heads / p.num_kv_heads;
   const int64_t qs = p.query_start_loc[it.req];
@@ -203,7 +241,7 @@ inline void init_lane_rows(const AttnParams& p, const WorkItem& it, int Rp, int3
   const int64_t kv_len = p.seq_lens[it.req];
   *ulo = INT64_MAX, *uhi = -1;
   for (int r = 0; r < Rp; ++r) {
-    lo[r] = 1, hi[r] = 0, apos[r] = 0.f, slope[r] = 0.f;
+    lo[r] = 1, hi[r] = 0, neg_pos[r] = 0, slope[r] = 0.f;
     m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
   }
   for (int t = 0; t < it.q_end - it.q_begin; ++t) {
@@ -220,7 +258,7 @@ inline void init_lane_rows(const AttnParams& p, const WorkItem& it, int Rp, int3
       const int r = t * G + g;
       lo[r] = static_cast<int32_t>(a);  // positions are < seq_lens (int32)
       hi[r] = static_cast<int32_t>(b);
-      apos[r] = -static_cast<float>(ps);
+      neg_pos[r] = static_cast<int32_t>(-ps);
       if (p.alibi != nullptr) slope[r] = p.alibi[it.kv_head * G + g];
     }
   }
@@ -432,13 +470,39 @@ struct AttnKernel {
         for (int r = 0; r < Rh; ++r)
           softmax_row(p, (it.kv_head + h) * G + r % G, S + r * lds, base, t0, t1, lo[r], hi[r],
                       pos[r], m + r0 + r, l + r0 + r, acc + (r0 + r) * D, D);
-        PvT::pv(S, lds, Rh, ve, vst, t0, t1, acc + r0 * D, D, pf);
+        pv_visible(S, lds, Rh, ve, vst, base, t0, t1, lo, hi, acc + r0 * D, D, pf);
         pf.issue(pf.lines());
       }
     }
 
     for (int r = 0; r < R; ++r) PvT::finish_row(acc + r * D, D);
     finish(p, it, acc, m, l);
+  }
+
+  // acc[r] += P[r] . V over keys [t0, t1) of a block. Rows that see only part of it (the
+  // diagonal of a causal tile, a window edge) sum their own keys only: a key a row cannot
+  // see must add nothing, not 0 * V, which is NaN for a NaN/inf value. Runs of rows with
+  // the same range (a token's GQA heads) share one call.
+  static void pv_visible(const float* S, int lds, int Rh, const E* vb, int64_t vst,
+                         int64_t base, int t0, int t1, const int64_t* lo, const int64_t* hi,
+                         float* acc, int D, PrefetchCursor& pf) {
+    auto row_range = [&](int r, int* a, int* b) {
+      *a = static_cast<int>(std::max<int64_t>(t0, lo[r] - base));
+      *b = static_cast<int>(std::min<int64_t>(t1, hi[r] + 1 - base));
+    };
+    if (every_row_sees(lo, hi, Rh, base + t0, base + t1 - 1))
+      return PvT::pv(S, lds, Rh, vb, vst, t0, t1, acc, D, pf);
+    for (int r = 0; r < Rh;) {
+      int a, b;
+      row_range(r, &a, &b);
+      int n = 1;
+      for (int a2, b2; r + n < Rh; ++n) {
+        row_range(r + n, &a2, &b2);
+        if (a2 != a || b2 != b) break;
+      }
+      if (a < b) PvT::pv(S + r * lds, lds, n, vb, vst, a, b, acc + r * D, D, pf);
+      r += n;
+    }
   }
 
   // Writes the item's rows: acc [R, D] (unnormalized), running max m and sum l [R] ->
@@ -502,17 +566,16 @@ struct AttnKernel {
     // exponent's FMA below, which saves a load-multiply-store pass over the block.
     const bool fold_scale = p.softcap <= 0.f && p.alibi == nullptr && scale > 0.f;
     if (p.softcap > 0.f) {
-      const V two_over = VO::set1(2.f * scale / p.softcap), cap = VO::set1(p.softcap);
+      const V over = VO::set1(scale / p.softcap), cap = VO::set1(p.softcap);
       for (int t = tl / W * W; t <= th; t += W)
-        VO::store(s + t, softcap_scores<VO>(VO::load(s + t), two_over, cap));
+        VO::store(s + t, softcap_scores<VO>(VO::load(s + t), over, cap));
     } else if (!fold_scale) {
       const V sv = VO::set1(scale);
       for (int t = tl / W * W; t <= th; t += W) VO::store(s + t, VO::mul(VO::load(s + t), sv));
     }
     if (p.alibi != nullptr) {
       const float slope = p.alibi[qhead];
-      const float off = static_cast<float>(base - ps);
-      for (int t = tl; t <= th; ++t) s[t] += slope * (static_cast<float>(t) + off);
+      for (int t = tl; t <= th; ++t) s[t] += slope * static_cast<float>(base + t - ps);
     }
     // Invisible keys -> -inf, including the lanes of the last vector past t1 (lds leaves
     // room).
@@ -559,7 +622,7 @@ struct AttnKernel {
         continue;
       }
       float denom = p.sink != nullptr ? std::exp(p.sink[h] - mx) : 0.f;
-      float wts[64];
+      float wts[kMaxSplits];
       for (int s = 0; s < nsplit; ++s) {
         const float lse = it.part_lse[s * lse_stride + r];
         wts[s] = lse == kNegInf ? 0.f : std::exp(lse - mx);
@@ -575,8 +638,6 @@ struct AttnKernel {
     }
   }
 };
-
-constexpr int kMaxSplits = 64;  // merge keeps per-split weights on the stack
 
 template <class VO, class T>
 void attn_item_cache(const AttnParams& p, const WorkItem& it, float* scratch) {

@@ -66,6 +66,7 @@ inline void check_block_size(int64_t bs, IsaHint hint, const char* what) {
 }
 
 inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.defined(), name, " must be a tensor, got None");
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
 }
 

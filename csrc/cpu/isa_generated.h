@@ -75,15 +75,21 @@ enum MetaHeaderField : int64_t {
   kMetaCausal = 8,
   kMetaEnableKvSplit = 9,
   kMetaQTileTokens = 10,
+  kMetaNumJobs = 11,
+  kMetaNumMerges = 12,
+  kMetaNumSlots = 13,
+  kMetaSlotRows = 14,
+  kMetaMaxRows = 15,
+  kMetaChecksum = 16,
 };
-constexpr int64_t kMetaHeaderSize = 11;
+constexpr int64_t kMetaHeaderSize = 17;
 enum MetaReqField : int64_t {
   kReqNumKvSplits = 0,
   kReqReserved = 1,
 };
 constexpr int64_t kMetaFieldsPerReq = 2;
 constexpr int32_t kMetaMagicValue = 0x50414d44;
-constexpr int32_t kMetaVersionValue = 1;
+constexpr int32_t kMetaVersionValue = 2;
 
 // One kernel table per ISA translation unit (defined in kernels_<isa>.cpp).
 struct KernelTable;

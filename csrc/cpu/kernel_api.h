@@ -73,6 +73,19 @@ inline KeyRange visible_key_range(const AttnParams& p, int64_t pos, int64_t kv_b
   return r;
 }
 
+// Keys [first, last] that some query of a request sees, its q_len queries at positions
+// kv_len - q_len .. kv_len - 1 (first > last: none). Every query sees its own position and
+// both ends of its range grow with it, so the union runs from the first query's first key
+// to the last query's last key.
+inline KeyRange request_key_range(const AttnParams& p, int64_t q_len, int64_t kv_len) {
+  if (q_len <= 0) return KeyRange{0, -1};
+  return KeyRange{visible_key_range(p, kv_len - q_len, 0, kv_len).first,
+                  visible_key_range(p, kv_len - 1, 0, kv_len).last};
+}
+
+// Most key splits of one query tile: the merge keeps a weight per split on the stack.
+constexpr int64_t kMaxSplits = 64;
+
 struct WorkItem {
   int32_t req, kv_head;
   int32_t q_begin, q_end;

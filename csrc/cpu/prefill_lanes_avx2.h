@@ -124,12 +124,12 @@ struct LanesPrefillAvx2 {
     float* l = m + Rp;                        // [Rp] running sum
     int32_t* lo = reinterpret_cast<int32_t*>(l + Rp);  // [Rp] first visible key
     int32_t* hi = lo + Rp;                             // [Rp] last visible key
-    float* apos = reinterpret_cast<float*>(hi + Rp);   // [Rp] -position (ALiBi)
-    float* slope = apos + Rp;                          // [Rp] ALiBi slope
+    int32_t* neg_pos = hi + Rp;                             // [Rp] -position (ALiBi)
+    float* slope = reinterpret_cast<float*>(neg_pos + Rp);  // [Rp] ALiBi slope
 
     const int64_t qs = p.query_start_loc[it.req];
     int64_t ulo, uhi;
-    init_lane_rows(p, it, Rp, lo, hi, apos, slope, m, l, &ulo, &uhi);
+    init_lane_rows(p, it, Rp, lo, hi, neg_pos, slope, m, l, &ulo, &uhi);
     for (int r = 0; r < Rp; ++r) {  // Q^T, padding rows 0
       const T* q = r < R ? Kern::q_row(p, qs + it.q_begin + r / G, it.kv_head * G + r % G) : nullptr;
       for (int d = 0; d < D; ++d) qp[d * Rp + r] = q != nullptr ? VecScalar::cvt_load(q + d) : 0.f;
@@ -167,8 +167,7 @@ struct LanesPrefillAvx2 {
           const __m256i lov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + o));
           const __m256i hiv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + o));
           const __m256 sl = _mm256_loadu_ps(slope + o);
-          const __m256 ap = _mm256_add_ps(_mm256_loadu_ps(apos + o),
-                                          _mm256_set1_ps(static_cast<float>(base)));
+          const __m256i np = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(neg_pos + o));
           const __m256 m_old = _mm256_loadu_ps(m + o);
           int32_t lo_max = INT32_MIN, hi_min = INT32_MAX;
           for (int r = o; r < o + L; ++r) {
@@ -181,13 +180,15 @@ struct LanesPrefillAvx2 {
           for (int t = ta; t < tb; ++t) {
             __m256 s = _mm256_loadu_ps(st + t * Rp + o);
             if (p.softcap > 0.f) {
-              s = softcap_scores<VecAvx2>(s, _mm256_set1_ps(2.f * p.scale / p.softcap),
-                                     _mm256_set1_ps(p.softcap));
+              s = softcap_scores<VecAvx2>(s, _mm256_set1_ps(p.scale / p.softcap),
+                                          _mm256_set1_ps(p.softcap));
             } else {
               s = _mm256_mul_ps(s, scale);
             }
-            if (p.alibi != nullptr)
-              s = _mm256_fmadd_ps(sl, _mm256_add_ps(ap, _mm256_set1_ps(static_cast<float>(t))), s);
+            if (p.alibi != nullptr) {  // slope * (j - p), j - p exact in int32
+              const __m256i dist = _mm256_add_epi32(np, _mm256_set1_epi32(static_cast<int32_t>(base + t)));
+              s = _mm256_fmadd_ps(sl, _mm256_cvtepi32_ps(dist), s);
+            }
             if (!full) {
               const __m256i kp = _mm256_set1_epi32(static_cast<int32_t>(base + t));
               const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(lov, kp), _mm256_cmpgt_epi32(kp, hiv));
@@ -217,7 +218,18 @@ struct LanesPrefillAvx2 {
         }
 
         // P.V over the visible keys [t0, t1) only (the others may be NaN, see to_f32).
-        if constexpr (kConvert) {
+        if (!every_row_sees(lo, hi, R, base + t0, base + t1 - 1) &&
+            rows_have_nonfinite(vb, p.v_stride_tok, t0, t1, D)) {
+          // Rows see different keys and V holds NaN/inf: the shared P.V would give a key a
+          // row cannot see weight 0, and 0 * NaN = NaN. Each row sums its own keys (rare).
+          for (int r = 0; r < R; ++r) {
+            const int a = static_cast<int>(std::max<int64_t>(t0, lo[r] - base));
+            const int b = static_cast<int>(std::min<int64_t>(t1, hi[r] + 1 - base));
+            for (int t = a; t < b; ++t)
+              for (int d = 0; d < D; ++d)
+                ot[d * Rp + r] += st[t * Rp + r] * VecScalar::cvt_load(vb + t * p.v_stride_tok + d);
+          }
+        } else if constexpr (kConvert) {
           to_f32(vb, p.v_stride_tok, t0, t1, t0, t1, D, kv);
           pv_groups(st, kv, D, t0, t1, Rp, NG, D, ot);
         } else {

@@ -128,6 +128,28 @@ struct LanesPrefill {
     }
   }
 
+  // The shared P.V of one block for a block whose V holds NaN/inf and whose rows see
+  // different keys: each row sums only the keys it sees (rare; scalar).
+  static void pv_each_row_own_keys(const float* st, const float* pp, const T* vb, int64_t vst,
+                                   int64_t base, int ta, int t0, int t1, const int32_t* lo,
+                                   const int32_t* hi, int R, int Rp, int D, float* ot) {
+    for (int r = 0; r < R; ++r) {
+      const int a = static_cast<int>(std::max<int64_t>(t0, lo[r] - base));
+      const int b = static_cast<int>(std::min<int64_t>(t1, hi[r] + 1 - base));
+      for (int t = a; t < b; ++t) {
+        float pr;
+        if constexpr (kBf16) {  // the bf16-rounded probability the pairs path uses
+          uint32_t pair;
+          std::memcpy(&pair, pp + (t - ta) / 2 * Rp + r, 4);
+          pr = bf16_to_float(static_cast<uint16_t>((t - ta) % 2 ? pair >> 16 : pair & 0xFFFF));
+        } else {
+          pr = st[t * Rp + r];
+        }
+        for (int d = 0; d < D; ++d) ot[d * Rp + r] += pr * VecScalar::cvt_load(vb + t * vst + d);
+      }
+    }
+  }
+
   static bool run(const AttnParams& p, const WorkItem& it, float* scratch) {
     const int D = p.head_size, BS = p.block_size;
     const int G = p.num_heads / p.num_kv_heads;
@@ -149,13 +171,13 @@ struct LanesPrefill {
     float* l = m + Rp;                                      // [Rp] running sum
     int32_t* lo = reinterpret_cast<int32_t*>(l + Rp);       // [Rp] first visible key
     int32_t* hi = lo + Rp;                                  // [Rp] last visible key
-    float* apos = reinterpret_cast<float*>(hi + Rp);        // [Rp] -position (ALiBi)
-    float* slope = apos + Rp;                               // [Rp] ALiBi slope
+    int32_t* neg_pos = hi + Rp;                             // [Rp] -position (ALiBi)
+    float* slope = reinterpret_cast<float*>(neg_pos + Rp);  // [Rp] ALiBi slope
     float* acc = slope + Rp;                                // [R][D] rows for finish
 
     const int64_t qs = p.query_start_loc[it.req];
     int64_t ulo, uhi;
-    init_lane_rows(p, it, Rp, lo, hi, apos, slope, m, l, &ulo, &uhi);
+    init_lane_rows(p, it, Rp, lo, hi, neg_pos, slope, m, l, &ulo, &uhi);
     // Q^T: 16 rows x 16 words (fp32 elements or bf16 pairs) at a time; padding rows are 0.
     const int U = D / QS;
     for (int r0 = 0; r0 < Rp; r0 += 16)
@@ -199,8 +221,7 @@ struct LanesPrefill {
           const int o = g * 16;
           const __m512i lov = _mm512_loadu_si512(lo + o), hiv = _mm512_loadu_si512(hi + o);
           const __m512 sl = _mm512_loadu_ps(slope + o);
-          const __m512 ap = _mm512_add_ps(_mm512_loadu_ps(apos + o),
-                                          _mm512_set1_ps(static_cast<float>(base)));
+          const __m512i np = _mm512_loadu_si512(neg_pos + o);
           const __m512 m_old = _mm512_loadu_ps(m + o);
           // Interior blocks (every key visible to every row of the group) skip the mask.
           const bool full = _mm512_reduce_max_epi32(lov) <= base + ta &&
@@ -209,13 +230,15 @@ struct LanesPrefill {
           for (int t = ta; t < tb; ++t) {
             __m512 s = _mm512_loadu_ps(st + t * Rp + o);
             if (p.softcap > 0.f) {
-              s = softcap_scores<VecAvx512>(s, _mm512_set1_ps(2.f * p.scale / p.softcap),
-                                     _mm512_set1_ps(p.softcap));
+              s = softcap_scores<VecAvx512>(s, _mm512_set1_ps(p.scale / p.softcap),
+                                            _mm512_set1_ps(p.softcap));
             } else {
               s = _mm512_mul_ps(s, scale);
             }
-            if (p.alibi != nullptr)
-              s = _mm512_fmadd_ps(sl, _mm512_add_ps(ap, _mm512_set1_ps(static_cast<float>(t))), s);
+            if (p.alibi != nullptr) {  // slope * (j - p), j - p exact in int32
+              const __m512i dist = _mm512_add_epi32(np, _mm512_set1_epi32(static_cast<int32_t>(base + t)));
+              s = _mm512_fmadd_ps(sl, _mm512_cvtepi32_ps(dist), s);
+            }
             if (!full) {
               const __m512i kp = _mm512_set1_epi32(static_cast<int32_t>(base + t));
               const __mmask16 vis = _mm512_cmple_epi32_mask(lov, kp) & _mm512_cmple_epi32_mask(kp, hiv);
@@ -253,6 +276,11 @@ struct LanesPrefill {
               _mm512_storeu_ps(ot + d * Rp + o, _mm512_mul_ps(_mm512_loadu_ps(ot + d * Rp + o), corr));
         }
 
+        if (!every_row_sees(lo, hi, R, base + t0, base + t1 - 1) &&
+            rows_have_nonfinite(vb, p.v_stride_tok, t0, t1, D)) {
+          pv_each_row_own_keys(st, pp, vb, p.v_stride_tok, base, ta, t0, t1, lo, hi, R, Rp, D, ot);
+          continue;
+        }
         if constexpr (kBf16) {
           // V pairs over keys [ta, tb); keys outside [t0, t1) are zero (never read them:
           // unwritten cache rows may hold NaN, and 0 * NaN would poison the sums).

@@ -198,17 +198,24 @@ def cpu_attn_get_scheduler_metadata(
         enable_kv_split: allow splitting long key ranges over threads (decode).
 
     Returns:
-        Opaque int32 tensor of :func:`metadata_numel(num_reqs)` elements. It records
-        ``torch.get_num_threads()``; the attention op rejects it if that changed.
+        Opaque int32 tensor: a header, per-request fields and the whole work partition of
+        the step (at least :func:`metadata_numel(num_reqs)` elements), so every layer's
+        attention call only checks it and executes. It records ``torch.get_num_threads()``
+        and a checksum of itself and the lengths; the attention op rejects it if the
+        threads changed or it does not match the call's ``query_start_loc``/``seq_lens``.
     """
     hint = _parse_hint(isa)
+    # A load-balancing hint: any window past int64 (left + 1 of an int64 left) is unbounded.
+    if isinstance(sliding_window_size, int) and sliding_window_size > _INT64_MAX:
+        sliding_window_size = _INT64_MAX
     if not native_available():
         _fallback("cpu_attn_get_scheduler_metadata")
         meta = torch.zeros(metadata_numel(num_reqs), dtype=torch.int32)
         header = dict(magic=METADATA_MAGIC, version=METADATA_VERSION, num_reqs=num_reqs,
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       num_threads=torch.get_num_threads(), hint=hint.code, causal=int(causal),
-                      enable_kv_split=int(enable_kv_split), q_tile_tokens=1)
+                      enable_kv_split=int(enable_kv_split), q_tile_tokens=1, num_jobs=0,
+                      num_merges=0, num_slots=0, slot_rows=0, max_rows=1, checksum=0)
         meta[: len(METADATA_HEADER)] = torch.tensor([header[k] for k in METADATA_HEADER])
         return meta
     return torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(
@@ -260,12 +267,15 @@ def _kv_scale(scale: torch.Tensor | float, name: str) -> float:
     return kv_scale_value(scale, name)
 
 
+_INT64_MAX = 2 ** 63 - 1
+
+
 def _window_pair(sliding_window: Sequence[int]) -> tuple[int, int]:
     if (not isinstance(sliding_window, (tuple, list)) or len(sliding_window) != 2
-            or not all(isinstance(w, int) and w >= -1 for w in sliding_window)):
+            or not all(isinstance(w, int) and -1 <= w <= _INT64_MAX for w in sliding_window)):
         raise ValueError(
-            f"sliding_window must be a (left, right) pair of ints >= -1 (-1 = unbounded), "
-            f"got {sliding_window!r}"
+            f"sliding_window must be a (left, right) pair of ints in [-1, 2**63 - 1] "
+            f"(-1 = unbounded), got {sliding_window!r}"
         )
     return int(sliding_window[0]), int(sliding_window[1])
 

@@ -8,6 +8,10 @@ False and :data:`LOAD_ERROR` says why (the public wrappers fall back to the refe
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 import torch
 
 from pagedattn.ops.isa import METADATA_FIELDS_PER_REQ, METADATA_HEADER
@@ -16,7 +20,18 @@ AVAILABLE = False
 LOAD_ERROR: str | None = None
 
 try:
-    from pagedattn import _C  # noqa: F401  (registers torch.ops.pagedattn.*)
+    if os.environ.get("PAGEDATTN_NATIVE_LIB"):
+        # Another build of the extension (make test-sanitize: the ASan/UBSan one).
+        _spec = importlib.util.spec_from_file_location("pagedattn._C",
+                                                       os.environ["PAGEDATTN_NATIVE_LIB"])
+        if _spec is None:
+            raise ImportError(f"PAGEDATTN_NATIVE_LIB={os.environ['PAGEDATTN_NATIVE_LIB']!r} "
+                              "is not a loadable extension")
+        _C = importlib.util.module_from_spec(_spec)
+        sys.modules["pagedattn._C"] = _C
+        _spec.loader.exec_module(_C)
+    else:
+        from pagedattn import _C  # noqa: F401  (registers torch.ops.pagedattn.*)
 
     AVAILABLE = hasattr(torch.ops.pagedattn, "cpu_attention_with_kv_cache")
     if not AVAILABLE:
@@ -26,7 +41,8 @@ except ImportError as exc:  # not built, or built against another torch
 
 
 def metadata_numel(num_reqs: int) -> int:
-    """Length of the int32 scheduler-metadata tensor for ``num_reqs`` requests."""
+    """Length of the scheduler metadata's header and per-request fields for ``num_reqs``
+    requests: the whole tensor (the work partition follows) is at least this long."""
     return len(METADATA_HEADER) + len(METADATA_FIELDS_PER_REQ) * num_reqs
 
 
@@ -35,7 +51,9 @@ if AVAILABLE:
     @torch.library.register_fake("pagedattn::cpu_attn_get_scheduler_metadata")
     def _metadata_fake(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype,
                        query_start_loc, causal, sliding_window_size, isa, enable_kv_split):
-        return seq_lens.new_empty((metadata_numel(num_reqs),), dtype=torch.int32)
+        # The plan's length depends on the query lengths (data): a dynamic size.
+        size = torch.library.get_ctx().new_dynamic_size(min=metadata_numel(num_reqs))
+        return seq_lens.new_empty((size,), dtype=torch.int32)
 
     # The two mutating ops return nothing: their fakes only have to exist (the mutation is
     # declared in the schema with Tensor(a!), which functionalization relies on).

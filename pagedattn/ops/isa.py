@@ -31,15 +31,18 @@ ARM_PREFERENCE: tuple[str, ...] = ("neon", "scalar")
 ISA_HINTS: tuple[tuple[str, int], ...] = (("vec", 32), ("vec16", 16), ("neon", 16), ("amx", 32))
 
 # Layout of the opaque scheduler-metadata tensor (int32): a fixed header, then
-# METADATA_FIELDS_PER_REQ ints per request. Its length depends only on num_reqs so the fake
-# (meta) implementation can give the true shape without reading data.
+# METADATA_FIELDS_PER_REQ ints per request, then the work partition the planner computed
+# (num_jobs jobs and num_merges merges; their layout is private to attention_ops.cpp). Its
+# length depends on the batch's query lengths, so the fake implementation gives it a
+# dynamic size of at least metadata_numel(num_reqs).
 METADATA_HEADER: tuple[str, ...] = (
     "magic", "version", "num_reqs", "num_heads", "num_kv_heads", "head_dim", "num_threads",
-    "hint", "causal", "enable_kv_split", "q_tile_tokens",
+    "hint", "causal", "enable_kv_split", "q_tile_tokens", "num_jobs", "num_merges",
+    "num_slots", "slot_rows", "max_rows", "checksum",
 )
 METADATA_FIELDS_PER_REQ: tuple[str, ...] = ("num_kv_splits", "reserved")
 METADATA_MAGIC = 0x50414D44  # "PAMD"
-METADATA_VERSION = 1
+METADATA_VERSION = 2
 
 
 def _parse(enum_cls, value):

@@ -163,7 +163,8 @@ def visibility_mask(
     q_len: int, kv_len: int, causal: bool, sliding_window: tuple[int, int] = (-1, -1)
 ) -> torch.Tensor:
     """Boolean ``[q_len, kv_len]``: True where query ``i`` may attend to key ``j``."""
-    left, right = sliding_window
+    # A window of kv_len or more hides nothing; clamping keeps pos +- window in int64.
+    left, right = (min(w, kv_len) for w in sliding_window)
     pos = (kv_len - q_len + torch.arange(q_len)).unsqueeze(1)
     key = torch.arange(kv_len).unsqueeze(0)
     mask = torch.ones(q_len, kv_len, dtype=torch.bool)
@@ -174,6 +175,23 @@ def visibility_mask(
     if right >= 0:
         mask &= key <= pos + right
     return mask
+
+
+def _weighted_values(probs: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """``sum_k probs[h, q, k] * v[k, h]`` over the keys row ``q`` sees, ``[q_len, H, D]``.
+
+    A key a row cannot see contributes nothing at all, even a NaN/inf value (a plain
+    product would give it weight 0, and 0 * NaN = NaN); a row that sees it gets it.
+    """
+    bad = ~torch.isfinite(v)
+    if not bad.any():
+        return torch.einsum("hqk,khd->qhd", probs, v)
+    numer = torch.einsum("hqk,khd->qhd", probs, v.masked_fill(bad, 0.0))
+    for k in torch.nonzero(bad.flatten(1).any(dim=1)).flatten().tolist():
+        rows = visible[:, k]
+        bad_part = torch.where(bad[k], v[k], 0.0)  # [H, D]
+        numer[rows] += probs[:, rows, k].transpose(0, 1).unsqueeze(-1) * bad_part
+    return numer
 
 
 def _attend_one_request(
@@ -218,7 +236,7 @@ def _attend_one_request(
     denom = probs.sum(dim=-1)
     if s_aux is not None:
         denom = denom + torch.exp(s_aux.float().view(-1, 1) - safe_max)
-    numer = torch.einsum("hqk,khd->qhd", probs, v)
+    numer = _weighted_values(probs, v, visible)
     denom_t = denom.transpose(0, 1)  # [q_len, H]
     out = torch.where(
         denom_t.unsqueeze(-1) > 0, numer / denom_t.clamp_min(1e-38).unsqueeze(-1), 0.0
