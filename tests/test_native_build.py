@@ -123,7 +123,9 @@ def test_select_hint_follows_block_size():
         pytest.skip("AMX CPU: bf16 picks amx")
     assert select_isa_hint(16, torch.bfloat16) in ("vec16", "neon")
     assert select_isa_hint(64, torch.float32) in ("vec", "neon")
-    for bad in (8, 48, 512):
+    assert select_isa_hint(48, torch.float32) in ("vec16", "neon")
+    assert select_isa_hint(8, torch.float32) in ("vec16", "neon")
+    for bad in (2, 24, 528):
         with pytest.raises(ValueError, match=f"block_size {bad}"):
             select_isa_hint(bad, torch.float32)
 
