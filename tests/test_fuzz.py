@@ -24,7 +24,7 @@ import time
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
 
 from pagedattn import ops  # noqa: E402
 from pagedattn.ops.isa import ARM_PREFERENCE, X86_PREFERENCE  # noqa: E402
@@ -39,8 +39,14 @@ HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
 BLOCK_SIZES = [16, 32, 64, 128, 256]
 ISAS = [i for i in (ARM_PREFERENCE if platform.machine().lower() in ("arm64", "aarch64")
                     else X86_PREFERENCE) if i in {s.value for s in ops.supported_cpu_isas()}]
+REPORT = os.environ.get("PAGEDATTN_FUZZ_REPORT")
+# A campaign (a report file named) records every failure and goes on: no shrinking (it
+# took over five minutes per failure), the tally is written every 200 cases and the
+# failures are asserted once at the end. A plain run fails fast at the first bad case.
+CAMPAIGN = REPORT is not None
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                         suppress_health_check=list(HealthCheck))
+                         suppress_health_check=list(HealthCheck),
+                         phases=[Phase.generate] if CAMPAIGN else list(Phase))
 
 
 class Worker:
@@ -96,6 +102,12 @@ class Tally:
         self.outcomes[result["outcome"]] += 1
         if result["outcome"] not in ("ok", "rejected"):
             self.failures.append(dict(case=case, **result))
+        if REPORT and sum(self.by_kind.values()) % 200 == 0:
+            self.write(REPORT)
+
+    def write(self, path):
+        with open(path, "w") as f:
+            json.dump(self.report(), f, indent=1)
 
     def report(self) -> dict:
         return dict(cases=sum(self.by_kind.values()), by_kind=dict(self.by_kind),
@@ -116,10 +128,9 @@ def tally():
     yield t
     report = t.report()
     print("\nfuzz tally:", json.dumps({k: v for k, v in report.items() if k != "failures"}))
-    path = os.environ.get("PAGEDATTN_FUZZ_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+    if REPORT:
+        t.write(REPORT)
+        assert not t.failures, f"{len(t.failures)} failing cases, see {REPORT}"
 
 
 # ------------------------------------------------------------------ strategies
@@ -174,6 +185,8 @@ def attention_cases(draw, kind="attention_valid", mutation=None):
 def check(worker, tally, case):
     result = worker.run(case)
     tally.add(case, result)
+    if CAMPAIGN:
+        return
     expected = "ok" if case["kind"] in ("attention_valid", "cache_valid") else None
     if expected == "ok":
         assert result["outcome"] == "ok", result

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+import operator
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -219,7 +220,8 @@ def cpu_attn_get_scheduler_metadata(
         meta[: len(METADATA_HEADER)] = torch.tensor([header[k] for k in METADATA_HEADER])
         return meta
     return torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(
-        int(num_reqs), int(num_heads), int(num_kv_heads), int(head_dim), seq_lens, dtype,
+        _int64("num_reqs", num_reqs), _int64("num_heads", num_heads),
+        _int64("num_kv_heads", num_kv_heads), _int64("head_dim", head_dim), seq_lens, dtype,
         query_start_loc, bool(causal), int(sliding_window_size), hint.code,
         bool(enable_kv_split),
     )
@@ -268,6 +270,18 @@ def _kv_scale(scale: torch.Tensor | float, name: str) -> float:
 
 
 _INT64_MAX = 2 ** 63 - 1
+
+
+def _int64(name: str, value) -> int:
+    """An int argument of a native op: outside int64 the dispatcher would fail with
+    "Expected a value of type 'int' ... found type 'int'"."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if not -_INT64_MAX - 1 <= v <= _INT64_MAX:
+        raise ValueError(f"{name} must be an int in int64 range, got {value!r}")
+    return v
 
 
 def _window_pair(sliding_window: Sequence[int]) -> tuple[int, int]:
