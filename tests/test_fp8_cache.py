@@ -14,7 +14,7 @@ from pagedattn import ops
 from pagedattn.ops import reference as ref
 from pagedattn.paging import slots_for_positions
 from pagedattn.testing import TOLERANCES
-from test_cpu_ops import ISAS, case_inputs, feature_args, isa, run_native  # noqa: F401
+from test_cpu_ops import case_inputs, feature_args, run_native
 
 pytestmark = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
 

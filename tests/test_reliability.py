@@ -16,7 +16,7 @@ from pagedattn import ops
 from pagedattn.ops import reference as ref
 from pagedattn.testing import TOLERANCES, BatchSpec, make_paged_batch
 
-from test_cpu_ops import (DTYPES, assert_matches_reference, case_inputs, feature_args, isa,  # noqa: F401
+from test_cpu_ops import (DTYPES, assert_matches_reference, case_inputs, feature_args,
                           run_native, run_reference, _good_call_args)
 
 pytestmark = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")

@@ -11,7 +11,7 @@ from pagedattn import ops
 from pagedattn.testing import BatchSpec, make_paged_batch
 
 from test_cpu_ops import (LONG_SPECS, assert_matches_reference, case_inputs, feature_args,  # noqa: F401
-                          isa, run_reference)
+                          run_reference)
 
 pytestmark = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
 
