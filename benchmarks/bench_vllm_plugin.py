@@ -54,7 +54,7 @@ def _split(t: workloads.Timing) -> dict:
             "prompt_tokens": t.prompt_tokens}
 
 
-def child(names: list[str], eager: bool) -> dict:
+def child(names: list[str], eager: bool, w4_context: int = 4096, w4_new: int = 128) -> dict:
     """Runs in the measuring process: one engine, every workload, one JSON line out."""
     spec = workloads.EngineSpec(model=str(workloads.smollm2_checkpoint()), dtype="bfloat16",
                                 max_model_len=4096 + 256, enforce_eager=eager,
@@ -62,7 +62,7 @@ def child(names: list[str], eager: bool) -> dict:
                                 log_stats=True, max_num_batched_tokens=8 * 4096)
     llm = spec.build()
     # Inputs first, so a bad one fails before any timing.
-    long_contexts = [{"prompt_token_ids": ids} for ids in _long_contexts(llm, 8, 4096)]
+    long_contexts = [{"prompt_token_ids": ids} for ids in _long_contexts(llm, 8, w4_context)]
     workloads.timed_generate(llm, workloads.CHAT_QUESTIONS[:4], 8, chat=True)  # warm-up
     questions = workloads.CHAT_QUESTIONS
     result = {}
@@ -75,7 +75,7 @@ def child(names: list[str], eager: bool) -> dict:
         docs = [workloads.long_document_prompt(2000, i) for i in range(4)]
         result["W3"] = _split(workloads.timed_generate(llm, docs, 64, chat=False))
     if "W4" in names:
-        result["W4"] = _split(workloads.timed_generate(llm, long_contexts, 128, chat=False))
+        result["W4"] = _split(workloads.timed_generate(llm, long_contexts, w4_new, chat=False))
     return result
 
 
@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {','.join(WORKLOADS)}")
     parser.add_argument("--eager", action="store_true",
                         help="enforce_eager=True (skip vLLM's torch.compile; default: compiled)")
+    parser.add_argument("--w4-context", type=int, default=4096,
+                        help="W4's context tokens per request (default 4096)")
+    parser.add_argument("--w4-new-tokens", type=int, default=128,
+                        help="W4's new tokens per request (default 128)")
     parser.add_argument("--json", type=Path, help="also write all raw runs here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -106,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
     if args.child:
-        print(json.dumps(child(names, args.eager)))
+        print(json.dumps(child(names, args.eager, args.w4_context, args.w4_new_tokens)))
         return 0
 
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     child_args = [str(Path(__file__).resolve()), "--child", "--workloads", ",".join(names)]
     child_args += ["--eager"] if args.eager else []
+    child_args += ["--w4-context", str(args.w4_context), "--w4-new-tokens", str(args.w4_new_tokens)]
     for repeat in range(args.repeats):
         for setting in ("off", "on"):
             print(f"repeat {repeat + 1}/{args.repeats}: plugin {setting} ...", file=sys.stderr,
