@@ -407,8 +407,10 @@ METADATA_MUTATIONS = {
     "hint": (lambda m, k: m.update(isa=["sse9", "", "vec32"][k % 3]), r"vec"),
     "dtype": (lambda m, k: m.update(dtype=[torch.float64, torch.int32][k % 2]), r"dtype"),
     "seq_lens_short": (lambda m, k: m.update(seq_lens=m["seq_lens"][:-1]), r"seq_lens"),
-    "qsl_bad": (lambda m, k: m.update(query_start_loc=m["query_start_loc"].flip(0)),
-                r"query_start_loc|seq_lens"),
+    # Reversed; a palindrome ([0, 0]: one empty request) would be unchanged, so it also
+    # starts at 1.
+    "qsl_bad": (lambda m, k: m.update(query_start_loc=m["query_start_loc"].flip(0) + (
+        1 - int(m["query_start_loc"][-1] != 0))), r"query_start_loc|seq_lens"),
 }
 
 
