@@ -25,6 +25,7 @@ import torch
 
 from pagedattn import ops
 from pagedattn.ops import reference as ref
+from pagedattn.backends.cpu_attn import select_isa_hint
 from pagedattn.testing import TOLERANCES, BatchSpec, PagedBatch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,7 +86,7 @@ def build(case: dict):
                                                 generator=gen).to(dtype)])
     output = torch.full_like(query, SENTINEL)
     window = tuple(case["window"])
-    hint = ops.select_cpu_isa_hint(case["block_size"], dtype)
+    hint = select_isa_hint(case["block_size"], dtype)
     meta_args = dict(
         num_reqs=len(case["seq_lens"]), num_heads=h, num_kv_heads=case["num_kv_heads"],
         head_dim=case["head_size"], seq_lens=batch.seq_lens, dtype=dtype,
@@ -474,7 +475,7 @@ def check_output(batch, args) -> dict:
 def run_cache(case: dict) -> dict:
     """reshape_and_cache: valid calls equal the reference; mutated ones raise."""
     batch, _, _ = build(case)
-    hint = ops.select_cpu_isa_hint(case["block_size"], batch.key_cache.dtype)
+    hint = select_isa_hint(case["block_size"], batch.key_cache.dtype)
     k = case["k"]
     args = dict(key=batch.new_keys, value=batch.new_values, key_cache=torch.zeros_like(batch.key_cache),
                 value_cache=torch.zeros_like(batch.value_cache), slot_mapping=batch.slot_mapping.clone(),
