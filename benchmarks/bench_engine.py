@@ -90,7 +90,10 @@ def vllm_peer_figures(python: str, hf_dir: str, loads, args) -> dict[str, float]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({k: list(v) for k, v in loads.items()}, f)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               # The peer is vLLM's own engine: a venv with our plugin would run our kernels.
+               PAGEDATTN_VLLM="0")
     cmd = [python, worker, "--model", hf_dir, "--workloads", f.name, "--dtype", args.dtype,
            "--repeats", str(args.repeats)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
