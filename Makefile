@@ -41,7 +41,6 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
-<<<<<<< HEAD
 	# Triton kernels and GPU backends on CPU tensors: the interpreter must be chosen
 	# before Triton is first imported, so they get a process of their own.
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels
@@ -77,7 +76,6 @@ vllm-test:
 # four engine starts per setting, ~15 minutes on 2 cores; not yet part of `make test`.
 vllm-test-engine: vllm-setup
 	$(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm_plugin/test_vllm_plugin_engine.py
-=======
 
 # ASan + UBSan build of the extension in its own dir (build/sanitize; -fno-wrapv so signed
 # overflow is seen), then the op tests and a fuzz slice with it loaded
@@ -103,4 +101,3 @@ FUZZ_EXAMPLES ?= 5000
 fuzz: setup
 	PAGEDATTN_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PAGEDATTN_FUZZ_REPORT=fuzz-report.json \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py
->>>>>>> rel
