@@ -29,6 +29,7 @@ from pagedattn.backends.cpu_attn import select_isa_hint
 from pagedattn.testing import TOLERANCES, BatchSpec, PagedBatch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 REJECT = (ValueError, TypeError, NotImplementedError, RuntimeError, IndexError, OverflowError,
           MemoryError)
 SENTINEL = 7.0  # written into padding output rows; they must keep it
@@ -85,6 +86,12 @@ def build(case: dict):
     query = torch.cat([batch.query, torch.randn(case["pad_tokens"], h, case["head_size"],
                                                 generator=gen).to(dtype)])
     output = torch.full_like(query, SENTINEL)
+    key_cache, value_cache = batch.key_cache, batch.value_cache
+    k_scale, v_scale = case.get("k_scale", 1.0), case.get("v_scale", 1.0)
+    fp8 = FP8_CACHE_DTYPES.get(case.get("kv_cache_dtype", "auto"))
+    if fp8 is not None:  # the cache the fp8 write stores (unused slots stay NaN)
+        key_cache = ref.quantize_fp8(key_cache, k_scale, fp8)
+        value_cache = ref.quantize_fp8(value_cache, v_scale, fp8)
     window = tuple(case["window"])
     hint = select_isa_hint(case["block_size"], dtype)
     meta_args = dict(
@@ -94,18 +101,24 @@ def build(case: dict):
         sliding_window_size=window[0] + 1 if window[0] >= 0 else -1, isa=hint,
         enable_kv_split=case["kv_split"])
     args = dict(
-        query=query, key_cache=batch.key_cache, value_cache=batch.value_cache, output=output,
+        query=query, key_cache=key_cache, value_cache=value_cache, output=output,
         query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, scale=case["scale"],
         causal=case["causal"],
         alibi_slopes=torch.rand(h, generator=gen) * 0.2 if case["alibi"] else None,
         sliding_window=window, block_table=batch.block_table, softcap=case["softcap"],
         scheduler_metadata=None, s_aux=torch.randn(h, generator=gen) + 1 if case["sinks"] else None)
+    if fp8 is not None:
+        args.update(k_scale=k_scale, v_scale=v_scale)
     return batch, meta_args, args
 
 
 def reference(batch, args, num_tokens: int) -> torch.Tensor:
+    key_cache, value_cache = args["key_cache"].float(), args["value_cache"].float()
+    if "k_scale" in args:  # fp8: the stored value times the scale, in fp32
+        key_cache = ref.dequantize_fp8(args["key_cache"], args["k_scale"])
+        value_cache = ref.dequantize_fp8(args["value_cache"], args["v_scale"])
     return ref.paged_attention(
-        args["query"][:num_tokens].float(), args["key_cache"].float(), args["value_cache"].float(),
+        args["query"][:num_tokens].float(), key_cache, value_cache,
         args["query_start_loc"], args["seq_lens"], args["block_table"], scale=args["scale"],
         causal=args["causal"], sliding_window=args["sliding_window"], softcap=args["softcap"],
         alibi_slopes=args["alibi_slopes"], s_aux=args["s_aux"])
@@ -403,7 +416,7 @@ METADATA_MUTATIONS = {
     "heads_huge": (lambda m, k: m.update(num_heads=[2 ** 32 + 4, 2 ** 61, 2 ** 31][k % 3] * m["num_kv_heads"]),
                    r"num_heads"),
     "kv_heads_zero": (lambda m, k: m.update(num_kv_heads=[0, -1][k % 2]), r"num_kv_heads"),
-    "head_dim": (lambda m, k: m.update(head_dim=[48, 0, -64, 512, 2 ** 40][k % 5]), r"head_size"),
+    "head_dim": (lambda m, k: m.update(head_dim=[36, 0, -64, 520, 2 ** 40][k % 5]), r"head_size"),
     "window_hint": (lambda m, k: m.update(sliding_window_size=-2 - k % 3), r"sliding_window_size"),
     "hint": (lambda m, k: m.update(isa=["sse9", "", "vec32"][k % 3]), r"vec"),
     "dtype": (lambda m, k: m.update(dtype=[torch.float64, torch.int32][k % 2]), r"dtype"),
@@ -477,9 +490,16 @@ def run_cache(case: dict) -> dict:
     batch, _, _ = build(case)
     hint = select_isa_hint(case["block_size"], batch.key_cache.dtype)
     k = case["k"]
-    args = dict(key=batch.new_keys, value=batch.new_values, key_cache=torch.zeros_like(batch.key_cache),
-                value_cache=torch.zeros_like(batch.value_cache), slot_mapping=batch.slot_mapping.clone(),
-                isa=hint)
+    cache_dtype = FP8_CACHE_DTYPES.get(case.get("kv_cache_dtype", "auto"), batch.key_cache.dtype)
+    shape = batch.key_cache.shape
+    args = dict(key=batch.new_keys, value=batch.new_values,
+                key_cache=torch.zeros(shape, dtype=cache_dtype),
+                value_cache=torch.zeros(shape, dtype=cache_dtype),
+                slot_mapping=batch.slot_mapping.clone(), isa=hint)
+    scales = {}
+    if cache_dtype != batch.key_cache.dtype:
+        scales = dict(k_scale=case["k_scale"], v_scale=case["v_scale"])
+        args.update(scales)
     name = case.get("mutation")
     pattern = None
     sm = args["slot_mapping"]
@@ -502,7 +522,7 @@ def run_cache(case: dict) -> dict:
     elif name is not None:
         name = None
     with ops.use_cpu_isa(case["isa"]):
-        want_k, want_v = torch.zeros_like(batch.key_cache), torch.zeros_like(batch.value_cache)
+        want_k, want_v = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
         try:
             ops.cpu_attn_reshape_and_cache(**args)
         except REJECT as exc:
@@ -512,8 +532,10 @@ def run_cache(case: dict) -> dict:
         if name is not None:
             return dict(outcome="accepted", detail=f"{name} was accepted")
         ref.cpu_attn_reshape_and_cache(args["key"], args["value"], want_k, want_v,
-                                       args["slot_mapping"])
-    if torch.equal(args["key_cache"], want_k) and torch.equal(args["value_cache"], want_v):
+                                       args["slot_mapping"], **scales)
+    same = (lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))) if scales \
+        else torch.equal  # fp8: the stored codes, bit for bit
+    if same(args["key_cache"], want_k) and same(args["value_cache"], want_v):
         return dict(outcome="ok")
     return dict(outcome="wrong", detail="cache differs from the reference")
 

@@ -35,8 +35,11 @@ pytestmark = pytest.mark.skipif(not ops.native_available(), reason="native exten
 
 EXAMPLES = int(os.environ.get("PAGEDATTN_FUZZ_EXAMPLES", "50"))
 CASE_TIMEOUT_S = float(os.environ.get("PAGEDATTN_FUZZ_TIMEOUT", "120"))
-HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
-BLOCK_SIZES = [16, 32, 64, 128, 256]
+# The common sizes, plus the ones issue 13 added (head sizes that are multiples of 8 but
+# not 16, up to 512; block sizes 1, 8 and multiples of 16 outside the Literal).
+HEAD_SIZES = [32, 40, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256, 320, 512]
+BLOCK_SIZES = [1, 8, 16, 32, 48, 64, 80, 128, 256]
+KV_CACHE_DTYPES = ["auto", "auto", "auto", "fp8_e4m3", "fp8_e5m2"]
 ISAS = [i for i in (ARM_PREFERENCE if platform.machine().lower() in ("arm64", "aarch64")
                     else X86_PREFERENCE) if i in {s.value for s in ops.supported_cpu_isas()}]
 REPORT = os.environ.get("PAGEDATTN_FUZZ_REPORT")
@@ -169,6 +172,9 @@ def attention_cases(draw, kind="attention_valid", mutation=None):
         kind=kind, mutation=mutation, k=draw(st.integers(0, 10 ** 6)),
         seed=draw(st.integers(0, 2 ** 31 - 1)),
         dtype=draw(st.sampled_from(["fp32", "bf16", "fp16"])),
+        kv_cache_dtype=draw(st.sampled_from(KV_CACHE_DTYPES)),
+        k_scale=draw(st.sampled_from([1.0, 0.05, 3.0])),
+        v_scale=draw(st.sampled_from([1.0, 0.05, 3.0])),
         head_size=head_size, block_size=draw(st.sampled_from(BLOCK_SIZES)),
         num_kv_heads=kv, num_heads=kv * group, seq_lens=seq_lens, query_lens=query_lens,
         pad_tokens=draw(st.integers(0, 3)), causal=draw(st.booleans()),
