@@ -188,12 +188,15 @@ def _sdpa(q, k, v, q_len, kv_len, scale, way: str = "fold"):
 
 def _fastest_gqa_way(inputs: ScenarioInputs, run_way) -> str:
     """Decode: "fold" (its advantage is large and stable). Prefill and mixed: each way
-    timed on copy 0 (best of 3 after a warm call), fastest wins; ``run_way(way, copy)``."""
+    timed on copy 0 (best of 3 after a warm call), fastest wins; ``run_way(way, copy)``.
+    The choice is kept on ``inputs`` for the other dense contender."""
     import time
 
     s = inputs.scenario
     if s.kind == "decode" or s.num_heads == s.num_kv_heads:
         return "fold"
+    if inputs.sdpa_gqa_way is not None:
+        return inputs.sdpa_gqa_way
     best, best_t = "fold", float("inf")
     for way in GQA_WAYS:
         run_way(way, 0)
@@ -204,6 +207,7 @@ def _fastest_gqa_way(inputs: ScenarioInputs, run_way) -> str:
             t = min(t, time.perf_counter() - t0)
         if t < best_t:
             best, best_t = way, t
+    inputs.sdpa_gqa_way = best
     return best
 
 

@@ -299,6 +299,9 @@ class ScenarioInputs:
     new_keys: list[torch.Tensor] = field(default_factory=list)
     new_values: list[torch.Tensor] = field(default_factory=list)
     slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    sdpa_gqa_way: str | None = None
+    """The fastest way to hand GQA to SDPA on these shapes, found by the first dense
+    contender and reused by the next (they run the same SDPA calls)."""
 
     @property
     def key_cache(self) -> torch.Tensor:
