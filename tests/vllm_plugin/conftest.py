@@ -12,7 +12,7 @@ VLLM_MISSING = (
 
 
 def make_vllm_config(tmp_dir, dtype: str, block_size: int, num_heads: int = 8,
-                     num_kv_heads: int = 2, head_size: int = 64):
+                     num_kv_heads: int = 2, head_size: int = 64, cache_dtype: str = "auto"):
     """A VllmConfig for a one-layer Llama geometry saved to ``tmp_dir`` (config only: the
     attention builders read head counts, dtype and block size from it)."""
     from transformers import LlamaConfig
@@ -24,7 +24,7 @@ def make_vllm_config(tmp_dir, dtype: str, block_size: int, num_heads: int = 8,
                 ).save_pretrained(tmp_dir)
     model_config = ModelConfig(model=str(tmp_dir), dtype=dtype, skip_tokenizer_init=True,
                                max_model_len=4096)
-    cache_config = CacheConfig(block_size=block_size)
+    cache_config = CacheConfig(block_size=block_size, cache_dtype=cache_dtype)
     return VllmConfig(model_config=model_config, cache_config=cache_config)
 
 

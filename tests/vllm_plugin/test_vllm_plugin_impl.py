@@ -37,11 +37,13 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from pagedattn import paging  # noqa: E402
 from pagedattn.integrations.vllm.backend import (  # noqa: E402
+    FP8_KV_CACHE_DTYPES,
     PagedAttnCPUBackend,
     PagedAttnCPUMetadata,
     split_kv_cache,
 )
 from pagedattn.ops import reference  # noqa: E402
+from conftest import make_vllm_config  # noqa: E402
 from pagedattn.testing import BATCH_SPECS, TOLERANCES, BatchSpec, make_paged_batch  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 2, 64, 32
@@ -79,14 +81,21 @@ ENCODER_BATCH = BatchSpec("encoder", (70, 33, 129), (70, 33, 129))
 CROSS_QUERY_LENS, CROSS_ENCODER_LENS = (5, 45, 1), (30, 20, 64)
 
 
-def _layer_args(case: Case, dtype: torch.dtype, gen: torch.Generator) -> dict:
+# fp8 caches: per-tensor scales as a calibrated checkpoint would give (|x| / scale stays
+# inside both formats' finite range for randn inputs).
+K_SCALE, V_SCALE = 0.05, 0.03
+
+
+def _layer_args(case: Case, dtype: torch.dtype, gen: torch.Generator,
+                kv_cache_dtype: str = "auto") -> dict:
     slopes = None
     if case.alibi:
         slopes = [2.0 ** (-(h + 1) / 2) for h in range(NUM_HEADS)]
     sinks = torch.randn(NUM_HEADS, generator=gen).to(dtype) if case.sinks else None
     return dict(num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE ** -0.5,
                 num_kv_heads=NUM_KV_HEADS, alibi_slopes=slopes, sliding_window=case.window,
-                kv_cache_dtype="auto", logits_soft_cap=case.softcap, attn_type=case.attn_type,
+                kv_cache_dtype=kv_cache_dtype, logits_soft_cap=case.softcap,
+                attn_type=case.attn_type,
                 kv_sharing_target_layer_name=None, sinks=sinks)
 
 
@@ -129,10 +138,14 @@ def _run(backend, case, cfg, dtype, layer_args, query, new_k, new_v, history, co
     with set_current_vllm_config(cfg):
         impl = backend.get_impl_cls()(**layer_args)
         builder = backend.get_builder_cls()(_spec(case, dtype), [], cfg, torch.device("cpu"))
-    layer = SimpleNamespace(isa=builder.isa, _k_scale_float=1.0, _v_scale_float=1.0,
+    fp8 = layer_args["kv_cache_dtype"] in FP8_KV_CACHE_DTYPES
+    layer = SimpleNamespace(isa=builder.isa, _k_scale_float=K_SCALE if fp8 else 1.0,
+                            _v_scale_float=V_SCALE if fp8 else 1.0,
                             kv_sharing_target_layer_name=None)
     num_blocks = 1 + int(common.block_table_tensor.max()) + 2
-    kv_cache = torch.zeros(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, dtype=dtype)
+    # As vLLM allocates it: fp8 caches are uint8 tensors.
+    kv_cache = torch.zeros(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE,
+                           dtype=torch.uint8 if fp8 else dtype)
     if history is not None:
         impl.do_kv_cache_update(layer, history[0], history[1], kv_cache, history[2])
     metadata = builder.build(0, common)
@@ -188,19 +201,26 @@ def _cross_reference(query, enc_k, enc_v, layer_args):
         scale=layer_args["scale"], causal=False)
 
 
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_plugin_impl_matches_reference_and_vllm(vllm_configs, case, dtype_name):
-    dtype = DTYPES[dtype_name]
-    cfg = vllm_configs[dtype_name]
+def _as_cached(x: torch.Tensor, scale: float, kv_cache_dtype: str) -> torch.Tensor:
+    """fp32 values of ``x`` as a cache of ``kv_cache_dtype`` holds them (fp8: quantised
+    by the reference's rule, then dequantised)."""
+    if kv_cache_dtype == "auto":
+        return x.float()
+    fp8 = FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    return reference.dequantize_fp8(reference.quantize_fp8(x, scale, fp8), scale)
+
+
+def _check_against_reference_and_vllm(case, dtype, cfg, kv_cache_dtype="auto"):
     gen = torch.Generator().manual_seed(0)
-    layer_args = _layer_args(case, dtype, gen)
+    layer_args = _layer_args(case, dtype, gen, kv_cache_dtype)
     atol, rtol = TOLERANCES[dtype]
 
     if case.attn_type == AttentionType.ENCODER_DECODER:
         query, enc_k, enc_v, block_table, common = _cross_inputs(dtype, gen)
         new_k, new_v, history = torch.cat(enc_k), torch.cat(enc_v), None
-        expected = _cross_reference(query, enc_k, enc_v, layer_args)
+        expected = _cross_reference(query, [_as_cached(k, K_SCALE, kv_cache_dtype) for k in enc_k],
+                                    [_as_cached(v, V_SCALE, kv_cache_dtype) for v in enc_v],
+                                    layer_args)
     else:
         pb, common, history = _decoder_inputs(case, dtype, gen)
         query, new_k, new_v = pb.query, pb.new_keys, pb.new_values
@@ -208,7 +228,8 @@ def test_plugin_impl_matches_reference_and_vllm(vllm_configs, case, dtype_name):
             window = PagedAttnCPUBackend.get_impl_cls()(**layer_args).pagedattn_window
         causal = case.attn_type == AttentionType.DECODER
         expected = reference.paged_attention(
-            query.float(), pb.key_cache.float(), pb.value_cache.float(), pb.query_start_loc,
+            query.float(), _as_cached(pb.key_cache, K_SCALE, kv_cache_dtype),
+            _as_cached(pb.value_cache, V_SCALE, kv_cache_dtype), pb.query_start_loc,
             pb.seq_lens, pb.block_table, scale=layer_args["scale"], causal=causal,
             sliding_window=window, softcap=layer_args["logits_soft_cap"] or 0.0,
             alibi_slopes=(torch.tensor(layer_args["alibi_slopes"])
@@ -220,9 +241,36 @@ def test_plugin_impl_matches_reference_and_vllm(vllm_configs, case, dtype_name):
     assert isinstance(metadata, PagedAttnCPUMetadata), "the plugin did not plan this step"
     torch.testing.assert_close(ours.float(), expected.float(), atol=atol, rtol=rtol)
 
+    if kv_cache_dtype != "auto" and not (torch.cpu._is_avx512_supported()
+                                         or torch.cpu._is_amx_tile_supported()):
+        # vLLM's own kernels take fp8 caches only with AVX-512 or AMX: on this CPU only
+        # the plugin serves them, and the reference above is the check.
+        with pytest.raises(NotImplementedError, match="FP8 KV cache"):
+            _run(CPUAttentionBackend, case, cfg, dtype, layer_args, query, new_k, new_v,
+                 history, common)
+        return
     theirs, _ = _run(CPUAttentionBackend, case, cfg, dtype, layer_args, query, new_k, new_v,
                      history, common)
     torch.testing.assert_close(ours.float(), theirs.float(), atol=2 * atol, rtol=2 * rtol)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_plugin_impl_matches_reference_and_vllm(vllm_configs, case, dtype_name):
+    _check_against_reference_and_vllm(case, DTYPES[dtype_name], vllm_configs[dtype_name])
+
+
+FP8_CASES = [c for c in CASES if c.name in ("decoder", "window_softcap_alibi_sinks", "cross")]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.name)
+def test_plugin_serves_fp8_kv_caches(tmp_path, case, kv_cache_dtype):
+    # vLLM allocates fp8 caches as uint8; the plugin reads them as fp8 with the layer's
+    # scales, and must agree with the reference on the quantised values and, where vLLM's
+    # kernels run fp8 (AVX-512/AMX), with vLLM's own fp8 path.
+    cfg = make_vllm_config(tmp_path, "bfloat16", BLOCK_SIZE, cache_dtype=kv_cache_dtype)
+    _check_against_reference_and_vllm(case, torch.bfloat16, cfg, kv_cache_dtype)
 
 
 def test_split_kv_cache_views_without_copy():
@@ -240,3 +288,24 @@ def test_split_kv_cache_views_without_copy():
 def test_split_kv_cache_rejects_other_shapes():
     with pytest.raises(ValueError, match="2 \\* head_size"):
         split_kv_cache(torch.zeros(2, 2, 16, 8, 3))
+
+
+@pytest.mark.parametrize("kv_cache_dtype,served", [
+    ("auto", True), ("fp8", True), ("fp8_e4m3", True), ("fp8_e5m2", True),
+    ("int8", False), ("fp8_per_token_head", False)])
+def test_which_kv_cache_dtypes_the_plugin_serves(kv_cache_dtype, served):
+    from pagedattn.integrations.vllm.backend import unserved_kv_cache_dtype
+    reason = unserved_kv_cache_dtype(kv_cache_dtype)
+    assert (reason is None) == served
+    if not served:
+        assert repr(kv_cache_dtype) in reason and "fp8_e5m2" in reason
+
+
+def test_split_kv_cache_reads_vllms_uint8_fp8_cache_as_fp8():
+    raw = torch.arange(2 * 1 * 4 * 16, dtype=torch.int64).to(torch.uint8).view(2, 1, 4, 16)
+    key_cache, value_cache = split_kv_cache(raw, "fp8_e5m2")
+    assert key_cache.dtype == value_cache.dtype == torch.float8_e5m2
+    assert key_cache.data_ptr() == raw.data_ptr()
+    assert torch.equal(key_cache[1, 0].view(torch.uint8), raw[1, 0].reshape(8, 8)[:4])
+    with pytest.raises(ValueError, match="1-byte"):
+        split_kv_cache(torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16), "fp8")

@@ -22,8 +22,13 @@ are pagedattn's natural layout, not vLLM's (vLLM packs keys for its kernels), so
 is written and read by one side only: the choice is made per KV-cache group, once, when
 the group's builder is created (:meth:`PagedAttnCPUMetadataBuilder.unserved_reasons`).
 
-Handed back to vLLM (one warning naming the layers and the reason): fp8 KV caches, head
-sizes or block sizes pagedattn's kernels do not take, groups whose layers differ in head
+fp8 KV caches (``kv_cache_dtype`` "fp8", "fp8_e4m3", "fp8_e5m2": vLLM allocates them as
+uint8) are viewed as ``float8_e4m3fn`` / ``float8_e5m2`` and run on pagedattn's fp8 path
+with the layer's per-tensor ``_k_scale_float`` / ``_v_scale_float``.
+
+Handed back to vLLM (one warning naming the layers and the reason): other quantized KV
+caches (int8, per-token-head scales, ...), head sizes or block sizes pagedattn's kernels
+do not take, groups whose layers differ in head
 count, speculative decoding (its drafters may send per-request causal flags), a missing
 native extension. Attention types: decoder, encoder-only, encoder (non-causal, over a
 per-step scratch cache) and encoder-decoder cross attention (vLLM's cross-attention
@@ -38,7 +43,6 @@ from dataclasses import dataclass
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
-from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -55,16 +59,29 @@ from pagedattn.integrations.vllm import logger
 _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
-def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# vLLM's fp8 cache dtype names (its "fp8" is e4m3) -> the torch dtype pagedattn reads.
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                       "fp8_e5m2": torch.float8_e5m2}
+
+
+def split_kv_cache(kv_cache: torch.Tensor, kv_cache_dtype: str = "auto"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's per-layer cache ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` as
     pagedattn's ``(key_cache, value_cache)``, each ``[num_blocks, num_kv_heads, block_size,
     head_size]``: views (no copy) whose token rows are contiguous (``stride(2) ==
-    head_size``) and whose block and head strides are twice a dense cache's."""
+    head_size``) and whose block and head strides are twice a dense cache's. An fp8
+    ``kv_cache_dtype`` reinterprets vLLM's uint8 bytes as that fp8 format."""
     if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
         raise ValueError(
             "expected vLLM's CPU KV cache [num_blocks, num_kv_heads, block_size, "
             f"2 * head_size], got shape {tuple(kv_cache.shape)}"
         )
+    fp8 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+    if fp8 is not None and kv_cache.dtype != fp8:
+        if kv_cache.element_size() != 1:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a 1-byte cache tensor, "
+                             f"got {kv_cache.dtype}")
+        kv_cache = kv_cache.view(fp8)
     num_blocks, num_kv_heads, block_size, two_head_size = kv_cache.shape
     rows = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, two_head_size // 2)
     return rows[:, :, :block_size], rows[:, :, block_size:]
@@ -84,6 +101,14 @@ def window_pair(sliding_window: int, attn_type: str) -> tuple[int, int]:
         raise ValueError(f"sliding_window must be a positive int, -1 or None, got {sliding_window}")
     left = sliding_window - 1
     return (left, left) if attn_type in _ENCODER_TYPES else (left, 0)
+
+
+def unserved_kv_cache_dtype(kv_cache_dtype: str) -> str | None:
+    """Why pagedattn cannot hold a cache of ``kv_cache_dtype`` (None: it can)."""
+    if kv_cache_dtype == "auto" or kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return None
+    return (f"kv_cache_dtype={kv_cache_dtype!r} (pagedattn's CPU kernels take the model "
+            f"dtype or per-tensor fp8: {', '.join(FP8_KV_CACHE_DTYPES)})")
 
 
 def kernel_dtypes() -> tuple[torch.dtype, ...]:
@@ -148,11 +173,8 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
     def unserved_reasons(self) -> list[str]:
         """Why pagedattn's kernels cannot run this layer (empty: they can)."""
         reasons = []
-        if is_quantized_kv_cache(self.kv_cache_dtype):
-            reasons.append(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} (pagedattn's CPU kernels keep K/V "
-                "in the model dtype)"
-            )
+        if unserved_kv_cache_dtype(self.kv_cache_dtype):
+            reasons.append(unserved_kv_cache_dtype(self.kv_cache_dtype))
         if self.head_size not in _PagedAttnCPU.get_supported_head_sizes():
             reasons.append(
                 f"head_size {self.head_size} (pagedattn's kernels take "
@@ -223,7 +245,7 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
             ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
                                            attn_metadata.slot_mapping, attn_metadata.isa)
         else:
-            key_cache, value_cache = split_kv_cache(kv_cache)
+            key_cache, value_cache = split_kv_cache(kv_cache, self.kv_cache_dtype)
         ops.cpu_attention_with_kv_cache(
             query=query[:num_tokens],
             key_cache=key_cache,
@@ -239,6 +261,8 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
             softcap=self.logits_soft_cap,
             scheduler_metadata=attn_metadata.scheduler_metadata,
             s_aux=self._kernel_sinks(),
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
         )
         return output
 
@@ -251,9 +275,10 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
             return
         if self.attn_type in _ENCODER_TYPES:
             return
-        key_cache, value_cache = split_kv_cache(kv_cache)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.kv_cache_dtype)
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                       self.pagedattn_isa)
+                                       self.pagedattn_isa, k_scale=layer._k_scale_float,
+                                       v_scale=layer._v_scale_float)
 
 
 class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -262,11 +287,23 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: VllmConfig, device: torch.device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        try:
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        except NotImplementedError as exc:
+            # vLLM's kernels take fp8 caches only with AVX-512/AMX and head sizes that
+            # are multiples of 32; its __init__ raises while picking its ISA, after the
+            # fields below it. pagedattn's fp8 path has neither limit.
+            if vllm_config.cache_config.cache_dtype not in FP8_KV_CACHE_DTYPES:
+                raise
+            self._finish_init_without_vllm_kernels(kv_cache_spec, exc)
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         impls = {name: layer.impl for name, layer in layers.items()}
         reasons = self.unserved_reasons(impls)
         self.served_by_pagedattn = not reasons
+        refusal = getattr(self, "_vllm_refusal", None)
+        if reasons and refusal is not None:
+            raise NotImplementedError(f"{refusal}; pagedattn cannot serve this KV-cache group "
+                                      f"either: {'; '.join(reasons)}") from refusal
         self.pagedattn_isa = (
             select_isa_hint(self.block_size, self.dtype) if self.served_by_pagedattn
             else None
@@ -281,14 +318,23 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                            "; ".join(reasons))
         self._encoder_scratch: torch.Tensor | None = None
 
+    def _finish_init_without_vllm_kernels(self, kv_cache_spec: AttentionSpec,
+                                          vllm_refusal: NotImplementedError) -> None:
+        """The rest of vLLM's ``__init__`` for a group vLLM's own kernels refused: its
+        layers get no vLLM ISA, so if pagedattn cannot serve the group either, vLLM's
+        refusal is raised (from ``__init__``, via :meth:`unserved_reasons`)."""
+        self.isa = None
+        self.is_cross_attention = isinstance(kv_cache_spec, CrossAttentionSpec)
+        self.is_encoder_only_attention = isinstance(kv_cache_spec, EncoderOnlyAttentionSpec)
+        self._vllm_refusal = vllm_refusal
+
     def unserved_reasons(self, impls: dict) -> list[str]:
         """Why pagedattn cannot serve this group (empty: it can)."""
         reasons: list[str] = []
         if not ops.native_available():
             reasons.append("pagedattn's native CPU extension is not built")
-        if is_quantized_kv_cache(self.kv_cache_dtype):
-            reasons.append(f"kv_cache_dtype={self.kv_cache_dtype!r} (pagedattn's CPU kernels "
-                           "keep K/V in the model dtype)")
+        if unserved_kv_cache_dtype(self.kv_cache_dtype):
+            reasons.append(unserved_kv_cache_dtype(self.kv_cache_dtype))
         if self.head_dim not in _PagedAttnCPU.get_supported_head_sizes():
             reasons.append(f"head_size {self.head_dim} (pagedattn's kernels take "
                            f"{_PagedAttnCPU.get_supported_head_sizes()})")
