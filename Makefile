@@ -45,6 +45,8 @@ test: setup
 	# before Triton is first imported, so they get a process of their own.
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels
 	$(MAKE) vllm-test
+	# The extension under ASan + UBSan (its own build dir): op tests and a fuzz slice.
+	$(MAKE) test-sanitize
 
 # Optional: vLLM 0.32's CPU engine in its own venv, for the vLLM plugin's tests and bench
 # (the base install stays free of vLLM). Best effort: if it cannot be installed, the plugin
@@ -66,14 +68,14 @@ $(VLLM_STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $@
 
-# The plugin's registration and impl tests (against the reference and vLLM's own impl).
+# The plugin's tests: registration, builder + impl against the reference and vLLM's own
+# impl, and vLLM's whole engine with and without the plugin (SmolLM2 + random
+# Mistral/Qwen2 parity: four engine starts per setting, ~12 minutes on 2 cores).
 vllm-test:
-	@if $(MAKE) vllm-setup; then $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin \
-		--ignore=tests/vllm_plugin/test_vllm_plugin_engine.py; \
+	@if $(MAKE) vllm-setup; then $(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm_plugin; \
 	else echo "vLLM could not be installed into $(VLLM_VENV): the vLLM plugin tests are skipped"; fi
 
-# vLLM's whole engine with and without the plugin (SmolLM2 + random Mistral/Qwen2 parity):
-# four engine starts per setting, ~15 minutes on 2 cores; not yet part of `make test`.
+# Only the whole-engine parity run.
 vllm-test-engine: vllm-setup
 	$(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm_plugin/test_vllm_plugin_engine.py
 
@@ -83,7 +85,7 @@ vllm-test-engine: vllm-setup
 # otherwise ASan's __cxa_throw interceptor aborts at the first C++ exception (every
 # rejected input). Leak checking is off: CPython and torch keep their allocations.
 SANITIZE_DIR := build/sanitize
-SANITIZE_FUZZ_EXAMPLES ?= 40
+SANITIZE_FUZZ_EXAMPLES ?= 250
 test-sanitize: setup
 	PAGEDATTN_SANITIZE=1 $(BIN)/python setup.py -q build_ext --build-lib $(SANITIZE_DIR)/lib \
 		--build-temp $(SANITIZE_DIR)/tmp

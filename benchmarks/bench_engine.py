@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_workloads import COLUMNS, measure, workloads  # noqa: E402
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
+from pagedattn.engine.llm import native_half_matmul  # noqa: E402
 from pagedattn.models.layers import PagedAttention  # noqa: E402
 from pagedattn.models.loader import resolve_model  # noqa: E402
 
@@ -73,16 +74,11 @@ def attention_share(llm: LLM, loads) -> dict[str, float]:
 
 
 def export_hf_dir(path: str) -> str:
-    """A Hugging Face copy of the SmolLM2 GGUF (for vLLM), written once under ``path``."""
-    if not os.path.exists(os.path.join(path, "config.json")):
-        import transformers
+    """A Hugging Face copy of the SmolLM2 GGUF (for vLLM, which reads no GGUF), converted
+    once under ``path`` by the vLLM plugin's converter (fp32 safetensors)."""
+    from pagedattn.integrations.vllm.workloads import smollm2_checkpoint
 
-        folder, file = os.path.split(resolve_model("smollm2"))
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
-                                                                 dtype=torch.bfloat16)
-        model.save_pretrained(path)
-        transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(path)
-    return path
+    return str(smollm2_checkpoint(path))
 
 
 def vllm_peer_figures(python: str, hf_dir: str, loads, args) -> dict[str, float]:
@@ -94,7 +90,7 @@ def vllm_peer_figures(python: str, hf_dir: str, loads, args) -> dict[str, float]
                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                # The peer is vLLM's own engine: a venv with our plugin would run our kernels.
                PAGEDATTN_VLLM="0")
-    cmd = [python, worker, "--model", hf_dir, "--workloads", f.name, "--dtype", args.dtype,
+    cmd = [python, worker, "--model", hf_dir, "--workloads", f.name, "--dtype", args.peer_dtype,
            "--repeats", str(args.repeats)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     os.unlink(f.name)
@@ -115,11 +111,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="python of an environment with vLLM (its CPU engine runs there)")
     p.add_argument("--hf-dir", default=os.path.expanduser("~/.cache/pagedattn/smollm2-hf"),
                    help="where the HF copy of SmolLM2 for vLLM is written")
+    p.add_argument("--peer-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="dtype of the transformers and vLLM peers; auto: --dtype, except "
+                        "float32 for a bfloat16 run on a CPU without a native bf16 GEMM "
+                        "(there torch's bf16 matmuls are ~100x slower than fp32: a peer "
+                        "is measured the fastest way it runs, as pagedattn's engine keeps "
+                        "its linear layers fp32 there too)")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     peers = [x.strip() for x in args.peers.split(",") if x.strip()]
-    dtype = getattr(torch, args.dtype)
+    if args.peer_dtype == "auto":
+        args.peer_dtype = ("float32" if args.dtype == "bfloat16" and not native_half_matmul()
+                           else args.dtype)
+    dtype = getattr(torch, args.peer_dtype)
 
     llm = LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
               kv_cache_memory="1GiB")
@@ -150,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 skipped["vllm"] = str(exc)[-500:]
 
-    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, greedy, {args.threads} threads, "
-          f"median of {args.repeats}, scale {args.scale}")
+    print(f"\nSmolLM2-135M-Instruct, pagedattn {args.dtype}, peers {args.peer_dtype}, greedy, "
+          f"{args.threads} threads, median of {args.repeats}, scale {args.scale}")
     print(f"| peer | {' | '.join(COLUMNS)} |")
     print("|---" * (len(COLUMNS) + 1) + "|")
     for peer, figs in results.items():
