@@ -70,7 +70,7 @@ $(VLLM_STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 
 # The plugin's tests: registration, builder + impl against the reference and vLLM's own
 # impl, and vLLM's whole engine with and without the plugin (SmolLM2 + random
-# Mistral/Qwen2 parity: four engine starts per setting, ~12 minutes on 2 cores).
+# Mistral/Qwen2 parity: four engine starts per setting, ~3 minutes on 2 cores).
 vllm-test:
 	@if $(MAKE) vllm-setup; then $(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm_plugin; \
 	else echo "vLLM could not be installed into $(VLLM_VENV): the vLLM plugin tests are skipped"; fi
