@@ -59,13 +59,9 @@ def default_dtype() -> str:
     """bf16 where torch has a native bf16 GEMM (AVX512-BF16/AMX), else fp32: without one,
     torch's bf16 matmuls (which vLLM's CPU linear layers use) run ~100x slower than fp32
     and every workload but W1 would measure that, not attention."""
-    import torch
+    from pagedattn.engine.llm import native_half_matmul
 
-    try:
-        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        native = False
-    return "bfloat16" if native else "float32"
+    return "bfloat16" if native_half_matmul() else "float32"
 
 
 def child(names: list[str], eager: bool, w4_context: int = 4096, w4_new: int = 128,

@@ -56,6 +56,26 @@ def select_isa_hint(block_size: int, dtype: torch.dtype) -> IsaHint:
     return IsaHint.VEC if block_size % 32 == 0 else IsaHint.VEC16
 
 
+def plan_step(builder, isa: IsaHint, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+              causal: bool) -> torch.Tensor:
+    """The step's work partition (:func:`ops.cpu_attn_get_scheduler_metadata`, KV splits
+    on) for a builder's geometry: its ``num_heads``, ``num_kv_heads``, ``head_dim``,
+    ``dtype`` and ``window_size``. Shared by this backend and the vLLM plugin's builder."""
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=seq_lens.numel(),
+        num_heads=builder.num_heads,
+        num_kv_heads=builder.num_kv_heads,
+        head_dim=builder.head_dim,
+        seq_lens=seq_lens,
+        dtype=builder.dtype,
+        query_start_loc=query_start_loc,
+        causal=causal,
+        sliding_window_size=builder.window_size,
+        isa=isa,
+        enable_kv_split=True,
+    )
+
+
 class CPUAttentionBackend(AttentionBackend):
     """Head sizes and block sizes: exactly the kernels' (:mod:`pagedattn.ops.kernel_shapes`).
     KV cache: the model dtype (``auto``) or fp8 (``fp8`` = ``fp8_e4m3``, ``fp8_e5m2``) with
@@ -224,7 +244,6 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             query_start_loc, seq_lens, block_table = _split_queries_longer_than_keys(
                 query_start_loc, seq_lens, block_table
             )
-            num_reqs = seq_lens.numel()
 
         num_decode_tokens, sdpa_start_loc, use_sdpa = 0, None, False
         if self.use_sdpa_prefill and causal and not self.is_cross_attention:
@@ -241,23 +260,10 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
                 query_start_loc = query_start_loc[: num_decodes + 1]
                 seq_lens = seq_lens[:num_decodes]
                 block_table = block_table[:num_decodes]
-                num_reqs = num_decodes
         if sdpa_start_loc is None:
             sdpa_start_loc = query_start_loc
 
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_reqs,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            seq_lens=seq_lens,
-            dtype=self.dtype,
-            query_start_loc=query_start_loc,
-            causal=causal,
-            sliding_window_size=self.window_size,
-            isa=self.isa,
-            enable_kv_split=True,
-        )
+        scheduler_metadata = plan_step(self, self.isa, query_start_loc, seq_lens, causal)
         return CPUAttentionMetadata(
             isa=self.isa,
             num_actual_tokens=cm.num_actual_tokens,

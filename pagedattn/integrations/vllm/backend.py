@@ -53,7 +53,11 @@ from vllm.v1.kv_cache_interface import AttentionSpec, CrossAttentionSpec, Encode
 
 from pagedattn import ops, paging
 from pagedattn.backends.cpu_attn import CPUAttentionBackend as _PagedAttnCPU
-from pagedattn.backends.cpu_attn import _split_queries_longer_than_keys, select_isa_hint
+from pagedattn.backends.cpu_attn import (
+    _split_queries_longer_than_keys,
+    plan_step,
+    select_isa_hint,
+)
 from pagedattn.integrations.vllm import logger
 
 _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
@@ -173,8 +177,8 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
     def unserved_reasons(self) -> list[str]:
         """Why pagedattn's kernels cannot run this layer (empty: they can)."""
         reasons = []
-        if unserved_kv_cache_dtype(self.kv_cache_dtype):
-            reasons.append(unserved_kv_cache_dtype(self.kv_cache_dtype))
+        if cache_reason := unserved_kv_cache_dtype(self.kv_cache_dtype):
+            reasons.append(cache_reason)
         if self.head_size not in _PagedAttnCPU.get_supported_head_sizes():
             reasons.append(
                 f"head_size {self.head_size} (pagedattn's kernels take "
@@ -287,6 +291,7 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: VllmConfig, device: torch.device) -> None:
+        self._vllm_refusal: NotImplementedError | None = None
         try:
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         except NotImplementedError as exc:
@@ -300,10 +305,10 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         impls = {name: layer.impl for name, layer in layers.items()}
         reasons = self.unserved_reasons(impls)
         self.served_by_pagedattn = not reasons
-        refusal = getattr(self, "_vllm_refusal", None)
-        if reasons and refusal is not None:
-            raise NotImplementedError(f"{refusal}; pagedattn cannot serve this KV-cache group "
-                                      f"either: {'; '.join(reasons)}") from refusal
+        if reasons and self._vllm_refusal is not None:
+            raise NotImplementedError(
+                f"{self._vllm_refusal}; pagedattn cannot serve this KV-cache group either: "
+                f"{'; '.join(reasons)}") from self._vllm_refusal
         self.pagedattn_isa = (
             select_isa_hint(self.block_size, self.dtype) if self.served_by_pagedattn
             else None
@@ -333,8 +338,8 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         reasons: list[str] = []
         if not ops.native_available():
             reasons.append("pagedattn's native CPU extension is not built")
-        if unserved_kv_cache_dtype(self.kv_cache_dtype):
-            reasons.append(unserved_kv_cache_dtype(self.kv_cache_dtype))
+        if cache_reason := unserved_kv_cache_dtype(self.kv_cache_dtype):
+            reasons.append(cache_reason)
         if self.head_dim not in _PagedAttnCPU.get_supported_head_sizes():
             reasons.append(f"head_size {self.head_dim} (pagedattn's kernels take "
                            f"{_PagedAttnCPU.get_supported_head_sizes()})")
@@ -389,23 +394,11 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             causal = False
             query_start_loc, seq_lens, block_table = _split_queries_longer_than_keys(
                 query_start_loc, seq_lens, block_table)
-            num_reqs = seq_lens.numel()
         elif isinstance(self.kv_cache_spec, EncoderOnlyAttentionSpec):
             block_table, slot_mapping, encoder_cache = self._plan_encoder_scratch(
                 query_start_loc, seq_lens)
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_reqs,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            seq_lens=seq_lens,
-            dtype=self.dtype,
-            query_start_loc=query_start_loc,
-            causal=causal,
-            sliding_window_size=self.window_size,
-            isa=self.pagedattn_isa,
-            enable_kv_split=True,
-        )
+        scheduler_metadata = plan_step(self, self.pagedattn_isa, query_start_loc, seq_lens,
+                                       causal)
         return PagedAttnCPUMetadata(
             isa=self.pagedattn_isa,
             num_actual_tokens=cm.num_actual_tokens,
