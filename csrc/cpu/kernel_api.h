@@ -96,6 +96,21 @@ struct WorkItem {
   int heads() const { return kv_heads > 1 ? kv_heads : 1; }
 };
 
+// Linear layers (linear_kernel_impl.h): weights packed in panels of 16 output columns,
+// [ceil(n / 16), k, 16] (pagedattn.ops.pack_linear_weight); x, out and bias fp32.
+constexpr int kLinearPanel = 16;
+
+struct LinearParams {
+  const float* x;          // [m, k], row stride x_stride, contiguous rows
+  int64_t x_stride;
+  const void* weight;      // [ceil(n / 16), k, 16] of weight_dtype (padding columns zero)
+  DType weight_dtype;      // kF32, kBF16 or kF16
+  const float* bias;       // [n] or nullptr
+  float* out;              // [m, n], row stride out_stride
+  int64_t out_stride;
+  int64_t m, n, k;
+};
+
 struct KernelTable {
   const char* name;
   // Runs one item; scratch holds at least attn_scratch_floats(rows, head_size, block_size).
@@ -104,6 +119,9 @@ struct KernelTable {
   // consecutive splits `split_stride` floats / `rows_stride` floats apart) into the output.
   void (*merge)(const AttnParams& p, const WorkItem& item, int32_t nsplit,
                 int64_t split_stride, int64_t lse_split_stride);
+  // Rows [m_begin, m_end) x panels [p_begin, p_end) of a linear layer.
+  void (*linear_block)(const LinearParams& p, int64_t m_begin, int64_t m_end,
+                       int64_t p_begin, int64_t p_end) = nullptr;
 };
 
 // Scratch each thread needs for items of up to `max_rows` rows (same formula in every ISA).

@@ -19,6 +19,7 @@ namespace {
 #include "vec_scalar.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
+#include "linear_kernel_impl.h"
 #include "prefill_lanes_avx2.h"
 template <>
 struct PrefillItem<VecAvx2, float> : LanesPrefillAvx2<float> {};
@@ -29,7 +30,8 @@ struct PrefillItem<VecAvx2, fp16_t> : LanesPrefillAvx2<fp16_t> {};
 }  // namespace
 
 const KernelTable* kernels_avx2() {
-  static const KernelTable table = make_kernel_table<VecAvx2>("avx2");
+  static const KernelTable table =
+      with_linear_kernel<VecAvx2>(make_kernel_table<VecAvx2>("avx2"));
   return &table;
 }
 

@@ -20,13 +20,15 @@ namespace {
 #include "vec_avx512.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
+#include "linear_kernel_impl.h"
 #include "prefill_lanes_avx512.h"
 template <>
 struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 }  // namespace
 
 const KernelTable* kernels_avx512() {
-  static const KernelTable table = make_kernel_table<VecAvx512, VecAvx2>("avx512");
+  static const KernelTable table =
+      with_linear_kernel<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512"));
   return &table;
 }
 

@@ -16,10 +16,12 @@ namespace {
 #include "vec_scalar.h"
 #include "vec_neon.h"
 #include "attn_kernel_impl.h"
+#include "linear_kernel_impl.h"
 }  // namespace
 
 const KernelTable* kernels_neon() {
-  static const KernelTable table = make_kernel_table<VecNeon>("neon");
+  static const KernelTable table =
+      with_linear_kernel<VecNeon>(make_kernel_table<VecNeon>("neon"));
   return &table;
 }
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pagedattn import registry
+from pagedattn import ops, registry
 from pagedattn.backend import AttentionType
 from pagedattn.engine.block_pool import KVCacheManager
 from pagedattn.engine.model_runner import ModelRunner, encoder_metadata, make_attention
@@ -27,6 +27,7 @@ from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import RequestRejectedError, Scheduler
 from pagedattn.kv_cache_spec import AttentionSpec
 from pagedattn.models.bert import BertConfig, BertModel
+from pagedattn.models.layers import pack_linear_layers
 from pagedattn.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedattn.models.loader import load_checkpoint, load_tokenizer, resolve_model
 
@@ -49,6 +50,21 @@ def native_half_matmul() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+LINEAR_IMPLS = ("packed", "torch")
+
+
+def parse_linear_impl(linear_impl: str | None) -> str:
+    """``None`` picks ``"packed"`` where the native extension is loaded."""
+    if linear_impl is None:
+        return "packed" if ops.native_available() else "torch"
+    if linear_impl not in LINEAR_IMPLS:
+        raise ValueError(f"linear_impl must be one of {', '.join(LINEAR_IMPLS)}, got {linear_impl!r}")
+    if linear_impl == "packed" and not ops.native_available():
+        raise ValueError("linear_impl='packed' needs the native extension pagedattn._C, which "
+                         "is not loaded; use linear_impl='torch'")
+    return linear_impl
 
 
 def parse_bytes(value: int | str) -> int:
@@ -146,9 +162,13 @@ class LLM:
             (``"smollm2"``, ``"minilm"``) served from an installed package.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the KV cache and attention
             dtype, and the weights' unless ``linear_dtype`` says otherwise.
-        linear_dtype: dtype of the weights and activations around attention; ``None`` =
-            ``dtype``, except on CPUs without a native half-precision GEMM, where torch's
-            bf16/fp16 linear is several times slower than fp32: there it is float32.
+        linear_impl: ``"packed"`` (default with the native extension): linear layers on
+            ``pagedattn.ops.packed_linear``, weights packed in ``dtype``, activations fp32;
+            ``"torch"``: ``nn.Linear`` in ``linear_dtype``.
+        linear_dtype: with ``linear_impl="torch"``, dtype of the weights and activations
+            around attention; ``None`` = ``dtype``, except on CPUs without a native
+            half-precision GEMM, where torch's bf16/fp16 linear is several times slower than
+            fp32: there it is float32. Packed layers take float32 activations only.
         backend: attention backend name (default: the registry's choice).
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV cache pool (int, or ``"512MiB"``).
@@ -164,9 +184,17 @@ class LLM:
                  kv_cache_memory: int | str = "512MiB", max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
-                 linear_dtype: str | torch.dtype | None = None) -> None:
+                 linear_dtype: str | torch.dtype | None = None,
+                 linear_impl: str | None = None) -> None:
         self.dtype = parse_dtype(dtype)
-        if linear_dtype is not None:
+        self.linear_impl = parse_linear_impl(linear_impl)
+        if self.linear_impl == "packed":
+            if linear_dtype is not None and parse_dtype(linear_dtype) != torch.float32:
+                raise ValueError(f"linear_impl='packed' computes in float32 (weights in dtype="
+                                 f"{dtype!r}); linear_dtype={linear_dtype!r} needs "
+                                 "linear_impl='torch'")
+            self.linear_dtype = torch.float32
+        elif linear_dtype is not None:
             self.linear_dtype = parse_dtype(linear_dtype)
         elif self.dtype != torch.float32 and not native_half_matmul():
             self.linear_dtype = torch.float32
@@ -200,6 +228,8 @@ class LLM:
         net = (BertModel if self.is_encoder else LlamaForCausalLM)(cfg, impls, kv_dtype)
         net.load_weights(ckpt.weights())
         self.model = net.to(self.linear_dtype).eval()
+        if self.linear_impl == "packed":
+            pack_linear_layers(self.model, self.dtype)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.last_stats = GenerateStats()
         self._ids = itertools.count()

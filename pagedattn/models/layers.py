@@ -1,10 +1,12 @@
-"""Building blocks shared by the models: norms, rotary embedding, and the paged attention
-layer that hands one layer's Q/K/V to the selected backend's impl."""
+"""Building blocks shared by the models: norms, rotary embedding, packed linear layers, and
+the paged attention layer that hands one layer's Q/K/V to the selected backend's impl."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedattn import ops
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +22,44 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class PackedLinear(nn.Module):
+    """A linear layer on the native kernel (``pagedattn.ops.packed_linear``): fp32
+    activations, the weight packed once in ``weight_dtype`` and widened in registers.
+
+    A decode step streams every weight once per token; bf16 weights halve those bytes,
+    and torch's own bf16 linear is several times slower than fp32 on CPUs without a
+    native bf16 GEMM."""
+
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed_weight",
+                             ops.pack_linear_weight(linear.weight.detach(), weight_dtype))
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        return ops.packed_linear(x, self.packed_weight, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight_dtype={self.packed_weight.dtype}, bias={self.bias is not None}")
+
+
+def pack_linear_layers(model: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`PackedLinear` with
+    ``weight_dtype`` weights. Call after loading the weights and casting the model to fp32
+    (a tied ``lm_head`` gets its own packed copy; the embedding keeps its table)."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, PackedLinear(child, weight_dtype))
+        else:
+            pack_linear_layers(child, weight_dtype)
+    return model
 
 
 class RotaryEmbedding(nn.Module):

@@ -33,6 +33,7 @@ import torch
 
 from pagedattn.ops import _native, kernel_shapes
 from pagedattn.ops._native import metadata_numel
+from pagedattn.ops.reference import LINEAR_PANEL
 from pagedattn.ops.isa import (
     METADATA_HEADER,
     METADATA_MAGIC,
@@ -47,6 +48,7 @@ __all__ = [
     "usable_isa_hints", "UnsupportedIsaHintError",
     "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
     "cpu_attention_with_kv_cache", "metadata_numel",
+    "LINEAR_PANEL", "PACKED_LINEAR_DTYPES", "pack_linear_weight", "packed_linear",
 ]
 
 _warned_fallback = False
@@ -348,3 +350,49 @@ def cpu_attention_with_kv_cache(
         bool(causal), alibi_slopes, left, right, block_table, float(softcap),
         scheduler_metadata, s_aux, ks, vs,
     )
+
+
+# ------------------------------------------------------------------ linear layers
+
+PACKED_LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pack_linear_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A linear layer's ``[out_features, in_features]`` weight in the layout
+    :func:`packed_linear` streams: ``[ceil(out_features / 16), in_features, 16]`` in
+    ``dtype`` (default: the weight's), output column ``n`` at ``[n // 16, :, n % 16]``,
+    the last panel padded with zero columns. Pack once, at load time."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("weight must be a 2-D tensor [out_features, in_features], got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    dtype = weight.dtype if dtype is None else dtype
+    if dtype not in PACKED_LINEAR_DTYPES:
+        raise TypeError(f"packed weight dtype must be one of {PACKED_LINEAR_DTYPES}, got {dtype}")
+    if weight.device.type != "cpu":
+        raise ValueError(f"weight must be a CPU tensor, got device {weight.device}")
+    n, k = weight.shape
+    panels = -(-n // LINEAR_PANEL)
+    padded = weight.new_zeros((panels * LINEAR_PANEL, k), dtype=dtype)
+    padded[:n] = weight
+    return padded.view(panels, LINEAR_PANEL, k).transpose(1, 2).contiguous()
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """``x @ W.T + bias`` for a weight packed by :func:`pack_linear_weight`.
+
+    Args:
+        x: float32 ``[num_tokens, in_features]`` (last dim contiguous).
+        packed_weight: ``[ceil(out_features / 16), in_features, 16]``, float32, bfloat16
+            or float16; widened to fp32 in registers, products accumulated in fp32.
+        bias: float32 ``[out_features]`` or None.
+        out_features: the layer's output width (the packing pads it to a multiple of 16).
+
+    Returns float32 ``[num_tokens, out_features]``. Decode-sized batches stream the weights
+    once at memory speed, so half-precision weights run about twice as fast as fp32 ones
+    (and, on CPUs without a native bf16 GEMM, far faster than torch's bf16 linear).
+    """
+    n = _int64("out_features", out_features)
+    if not native_available():
+        return _fallback("packed_linear").packed_linear(x, packed_weight, bias, n)
+    return torch.ops.pagedattn.packed_linear(x, packed_weight, bias, n)

@@ -68,3 +68,7 @@ if AVAILABLE:
                         sliding_window_right, block_table, softcap, scheduler_metadata,
                         s_aux, k_scale=1.0, v_scale=1.0):
         return None
+
+    @torch.library.register_fake("pagedattn::packed_linear")
+    def _packed_linear_fake(x, packed_weight, bias, out_features):
+        return x.new_empty((x.shape[0], out_features))

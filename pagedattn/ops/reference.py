@@ -525,3 +525,28 @@ def unified_attention(
     )
     n = int(cu_seqlens_q[-1])
     out[:n].copy_(result[:n])
+
+
+# ------------------------------------------------------------------ linear layers
+
+LINEAR_PANEL = 16
+"""Output columns per panel of a packed linear weight (``pack_linear_weight``)."""
+
+
+def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The ``[out_features, in_features]`` weight inside a packed one: packed
+    ``[p, k, 16]`` holds column ``16 * p + c`` of the layer at ``packed[p, :, c]``."""
+    panels, k, width = packed.shape
+    assert width == LINEAR_PANEL and panels * width >= out_features
+    return packed.permute(0, 2, 1).reshape(panels * width, k)[:out_features]
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """Reference of ``pagedattn.ops.packed_linear``: ``x @ W.T + bias`` with the packed
+    weight widened to float64 (the kernel accumulates in fp32), returned in float32."""
+    w = unpack_linear_weight(packed_weight, out_features).double()
+    out = x.double() @ w.T
+    if bias is not None:
+        out = out + bias.double()
+    return out.float()

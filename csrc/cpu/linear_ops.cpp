@@ -1,0 +1,76 @@
+// packed_linear: a model's linear layer over panel-packed weights (linear_kernel_impl.h), for
+// CPUs where torch's half-precision GEMM is slow and for decode-sized batches, where a
+// linear layer is a stream over its weights. Validation here, unchecked loops in the ISA TUs.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "binding_utils.h"
+
+namespace pagedattn {
+
+namespace {
+// Rows per block: each thread runs its panels over one block of x at a time, so the block
+// (48 x k fp32) stays in L2 while the panels stream past it.
+constexpr int64_t kRowBlock = 48;
+// Least multiply-adds per parallel chunk: a smaller layer runs on one thread (waking the
+// pool costs more than its work).
+constexpr int64_t kMinChunkMacs = 1 << 16;
+}  // namespace
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+  check_cpu(x, "x");
+  check_cpu(packed_weight, "packed_weight");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [num_tokens, in_features], got shape ", x.sizes());
+  const DType wdt = to_dtype(packed_weight.scalar_type(), "packed_weight");
+  TORCH_CHECK_VALUE(packed_weight.dim() == 3 && packed_weight.size(2) == kLinearPanel,
+                    "packed_weight must be 3-D [ceil(out_features / ", kLinearPanel,
+                    "), in_features, ", kLinearPanel, "] (pack_linear_weight), got shape ",
+                    packed_weight.sizes());
+  TORCH_CHECK_VALUE(packed_weight.is_contiguous(), "packed_weight must be contiguous");
+  const int64_t k = x.size(1), panels = packed_weight.size(0);
+  TORCH_CHECK_VALUE(packed_weight.size(1) == k, "x has ", k, " features but packed_weight has ",
+                    packed_weight.size(1));
+  TORCH_CHECK_VALUE(out_features > 0 && (out_features + kLinearPanel - 1) / kLinearPanel == panels,
+                    "out_features ", out_features, " does not match packed_weight's ", panels,
+                    " panels of ", kLinearPanel, " columns");
+  const float* bias_ptr = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK_TYPE(bias->scalar_type() == at::kFloat, "bias must be float32, got ",
+                     bias->scalar_type());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [",
+                      out_features, "], got shape ", bias->sizes());
+    bias_c = bias->contiguous();
+    bias_ptr = bias_c.data_ptr<float>();
+  }
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t m = xc.size(0);
+  at::Tensor out = at::empty({m, out_features}, x.options());
+  if (m == 0) return out;
+  if (k == 0) return bias_ptr != nullptr ? out.copy_(bias_c.expand({m, out_features})) : out.zero_();
+
+  LinearParams p{xc.data_ptr<float>(), xc.stride(0), packed_weight.data_ptr(), wdt, bias_ptr,
+                 out.data_ptr<float>(), out.stride(0), m, out_features, k};
+  const KernelTable* kt = current_kernels();
+  const int64_t grain = std::max<int64_t>(1, kMinChunkMacs / (std::min(m, kRowBlock) * k * kLinearPanel));
+  at::parallel_for(0, panels, grain, [&](int64_t pb, int64_t pe) {
+    for (int64_t mb = 0; mb < m; mb += kRowBlock)
+      kt->linear_block(p, mb, std::min(m, mb + kRowBlock), pb, pe);
+  });
+  return out;
+}
+
+}  // namespace pagedattn
+
+TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
+  m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {
+  m.impl("packed_linear", &pagedattn::packed_linear);
+}

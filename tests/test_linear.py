@@ -1,0 +1,147 @@
+"""The packed linear kernel (``ops.packed_linear``) against the float64 reference, its weight
+layout, its validation, its fake (torch.compile) implementation, and the model layer on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagedattn import ops
+from pagedattn.models.layers import PackedLinear, pack_linear_layers
+from pagedattn.ops import reference
+
+needs_native = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
+
+# (out_features, in_features, rows): widths on and off the 16-column panel, depths on and
+# off every vector width, row counts covering the tile (AVX2 6, AVX-512 8), its tails and
+# more than one 48-row block.
+SHAPES = [(16, 8, 1), (37, 20, 7), (960, 576, 1), (192, 64, 13), (50, 33, 49),
+          (100, 1, 3), (1, 40, 2), (576, 1536, 4), (48, 72, 100)]
+
+
+def summation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Worst-case error of an fp32 dot product of length k, accumulated in any order:
+    k * u * sum_k |x w| (u = 2^-24, the unit roundoff; Higham, Accuracy and Stability of
+    Numerical Algorithms, eq. 3.5), plus one rounding of the bias add."""
+    k = x.shape[1]
+    mags = x.double().abs() @ w.double().abs().T
+    return (k + 1) * 2.0 ** -24 * mags + 1e-30
+
+
+@needs_native
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}k{}m{}".format(*s))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_packed_linear_matches_reference(isa, weight_dtype, shape, with_bias):
+    n, k, m = shape
+    gen = torch.Generator().manual_seed(n * 1000 + k + m)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    packed = ops.pack_linear_weight(w, weight_dtype)
+    out = ops.packed_linear(x, packed, bias, n)
+    expected = reference.packed_linear(x, packed, bias, n)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    bound = summation_bound(x, w.to(weight_dtype).float()) + (bias.abs().double() * 2.0 ** -24
+                                                              if bias is not None else 0)
+    err = (out.double() - expected.double()).abs()
+    assert (err <= bound + 1e-6 * expected.double().abs()).all(), float((err - bound).max())
+
+
+@needs_native
+def test_packed_linear_strided_and_empty_inputs(isa):
+    w = torch.randn(40, 24)
+    packed = ops.pack_linear_weight(w)
+    wide = torch.randn(5, 30)
+    rows_strided = wide[:, 3:27]                 # row stride 30, last dim contiguous
+    transposed = torch.randn(24, 5).T            # last dim strided: copied first
+    for x in (rows_strided, transposed):
+        torch.testing.assert_close(ops.packed_linear(x, packed, None, 40), x @ w.T,
+                                   rtol=1e-5, atol=1e-5)
+    assert ops.packed_linear(torch.empty(0, 24), packed, None, 40).shape == (0, 40)
+
+
+def test_pack_layout():
+    w = torch.arange(37 * 5, dtype=torch.float32).view(37, 5)
+    packed = ops.pack_linear_weight(w)
+    assert packed.shape == (3, 5, 16) and packed.is_contiguous()
+    for col in range(48):
+        expected = w[col] if col < 37 else torch.zeros(5)
+        assert torch.equal(packed[col // 16, :, col % 16], expected), col
+    assert torch.equal(reference.unpack_linear_weight(packed, 37), w)
+    half = ops.pack_linear_weight(w, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half.float(), packed.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("weight, dtype, exc, match", [
+    (torch.zeros(4), None, ValueError, "2-D"),
+    (torch.zeros(4, 4), torch.int32, TypeError, "packed weight dtype"),
+    ("w", None, ValueError, "2-D"),
+])
+def test_pack_rejects(weight, dtype, exc, match):
+    with pytest.raises(exc, match=match):
+        ops.pack_linear_weight(weight, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("case, exc, match", [
+    ("x_bf16", TypeError, "x must be float32"),
+    ("x_3d", ValueError, r"x must be 2-D"),
+    ("k_mismatch", ValueError, "x has 9 features but packed_weight has 8"),
+    ("n_mismatch", ValueError, "out_features 40 does not match packed_weight's 2 panels"),
+    ("n_zero", ValueError, "out_features 0 does not match"),
+    ("bias_shape", ValueError, r"bias must be \[20\]"),
+    ("bias_dtype", TypeError, "bias must be float32"),
+    ("packed_2d", ValueError, "packed_weight must be 3-D"),
+    ("packed_strided", ValueError, "packed_weight must be contiguous"),
+    ("packed_int", TypeError, "packed_weight must be float32, bfloat16 or float16"),
+    ("out_features_big", ValueError, "out_features must be an int in int64 range"),
+])
+def test_packed_linear_rejects(case, exc, match):
+    x, packed, bias, n = torch.randn(3, 8), ops.pack_linear_weight(torch.randn(20, 8)), None, 20
+    if case == "x_bf16":
+        x = x.bfloat16()
+    elif case == "x_3d":
+        x = x.view(3, 2, 4)
+    elif case == "k_mismatch":
+        x = torch.randn(3, 9)
+    elif case == "n_mismatch":
+        n = 40
+    elif case == "n_zero":
+        n = 0
+    elif case == "bias_shape":
+        bias = torch.randn(21)
+    elif case == "bias_dtype":
+        bias = torch.randn(20, dtype=torch.float64)
+    elif case == "packed_2d":
+        packed = packed.view(2, 128)
+    elif case == "packed_strided":
+        packed = torch.zeros(2, 16, 8).transpose(1, 2)
+    elif case == "packed_int":
+        packed = packed.to(torch.int16)
+    elif case == "out_features_big":
+        n = 2 ** 64
+    with pytest.raises(exc, match=match):
+        ops.packed_linear(x, packed, bias, n)
+
+
+@needs_native
+def test_packed_linear_opcheck():
+    x, w = torch.randn(5, 24), torch.randn(40, 24)
+    for bias in (None, torch.randn(40)):
+        torch.library.opcheck(torch.ops.pagedattn.packed_linear,
+                              (x, ops.pack_linear_weight(w, torch.bfloat16), bias, 40))
+
+
+@needs_native
+def test_packed_linear_module_and_model_packing():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(24, 40), nn.Sequential(nn.ReLU(), nn.Linear(40, 8, bias=False)))
+    x = torch.randn(2, 3, 24)  # 3-D input: flattened to rows and back
+    expected = net(x)
+    pack_linear_layers(net, torch.float32)
+    assert isinstance(net[0], PackedLinear) and isinstance(net[1][1], PackedLinear)
+    assert not any(isinstance(m, nn.Linear) for m in net.modules())
+    torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
+    assert "weight_dtype=torch.float32" in repr(net[0])
