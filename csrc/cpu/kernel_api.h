@@ -111,6 +111,20 @@ struct LinearParams {
   int64_t m, n, k;
 };
 
+// RMSNorm rows (layer_kernel_impl.h), fp32, last dims contiguous; with residual != nullptr
+// each row first does residual += x and normalises the sum.
+struct NormParams {
+  const float* x;
+  int64_t x_stride;
+  float* residual;  // nullptr or [rows, d] updated in place
+  int64_t residual_stride;
+  const float* weight;  // [d]
+  float eps;
+  float* out;
+  int64_t out_stride;
+  int64_t d;
+};
+
 struct KernelTable {
   const char* name;
   // Runs one item; scratch holds at least attn_scratch_floats(rows, head_size, block_size).
@@ -122,6 +136,10 @@ struct KernelTable {
   // Rows [m_begin, m_end) x panels [p_begin, p_end) of a linear layer.
   void (*linear_block)(const LinearParams& p, int64_t m_begin, int64_t m_end,
                        int64_t p_begin, int64_t p_end) = nullptr;
+  void (*rms_norm_rows)(const NormParams& p, int64_t row_begin, int64_t row_end) = nullptr;
+  // out[r, i] = silu(x[r, i]) * x[r, d + i] for rows [row_begin, row_end).
+  void (*silu_mul_rows)(const float* x, int64_t x_stride, float* out, int64_t out_stride,
+                        int64_t row_begin, int64_t row_end, int64_t d) = nullptr;
 };
 
 // Scratch each thread needs for items of up to `max_rows` rows (same formula in every ISA).

@@ -21,6 +21,7 @@ namespace {
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
 #include "linear_kernel_impl.h"
+#include "layer_kernel_impl.h"
 #include "prefill_lanes_avx512.h"
 template <>
 struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
@@ -28,7 +29,7 @@ struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 
 const KernelTable* kernels_avx512() {
   static const KernelTable table =
-      with_linear_kernel<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512"));
+      with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512"));
   return &table;
 }
 

@@ -21,6 +21,7 @@ namespace {
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
 #include "linear_kernel_impl.h"
+#include "layer_kernel_impl.h"
 
 // bf16 words of a key/value row for the vdpbf16ps kernels below: 32 at a time, or the
 // first 16 (rest zero). Specialised for each cache type the kernels read.
@@ -351,7 +352,7 @@ struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 
 const KernelTable* kernels_avx512bf16() {
   static const KernelTable table =
-      with_linear_kernel<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512bf16"));
+      with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512bf16"));
   return &table;
 }
 

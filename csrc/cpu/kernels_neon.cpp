@@ -17,11 +17,12 @@ namespace {
 #include "vec_neon.h"
 #include "attn_kernel_impl.h"
 #include "linear_kernel_impl.h"
+#include "layer_kernel_impl.h"
 }  // namespace
 
 const KernelTable* kernels_neon() {
   static const KernelTable table =
-      with_linear_kernel<VecNeon>(make_kernel_table<VecNeon>("neon"));
+      with_model_kernels<VecNeon>(make_kernel_table<VecNeon>("neon"));
   return &table;
 }
 

@@ -15,11 +15,12 @@ namespace {
 #include "vec_portable.h"
 #include "attn_kernel_impl.h"
 #include "linear_kernel_impl.h"
+#include "layer_kernel_impl.h"
 }  // namespace
 
 const KernelTable* kernels_scalar() {
   static const KernelTable table =
-      with_linear_kernel<VecPortable>(make_kernel_table<VecPortable>("scalar"));
+      with_model_kernels<VecPortable>(make_kernel_table<VecPortable>("scalar"));
   return &table;
 }
 

@@ -91,9 +91,3 @@ void linear_block_entry(const LinearParams& p, int64_t m_begin, int64_t m_end,
     default: return linear_block_dtype<VT, float>(p, m_begin, m_end, p_begin, p_end);
   }
 }
-
-template <class VT>
-KernelTable with_linear_kernel(KernelTable table) {
-  table.linear_block = &linear_block_entry<VT>;
-  return table;
-}

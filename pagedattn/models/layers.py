@@ -9,19 +9,44 @@ from torch import nn
 from pagedattn import ops
 
 
+def native_fp32(x: torch.Tensor) -> bool:
+    """Whether the fused native layer ops serve ``x`` (fp32 activations, extension loaded);
+    other dtypes take the torch code, which casts like Hugging Face's modules."""
+    return x.dtype == torch.float32 and ops.native_available()
+
+
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm: normalise in fp32, scale in the model dtype."""
+    """Llama's RMSNorm: normalise in fp32, scale in the model dtype. Called with a residual,
+    it first adds ``x`` into it (vLLM's fused form) and returns ``(normed, residual)``."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if native_fp32(x):
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+        if residual is None:
+            return self._torch_norm(x)
+        residual = residual + x
+        return self._torch_norm(residual), residual
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate/up projection ``[T, 2 d]``."""
+    if native_fp32(x):
+        return ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 class PackedLinear(nn.Module):
@@ -63,22 +88,29 @@ def pack_linear_layers(model: nn.Module, weight_dtype: torch.dtype) -> nn.Module
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (GPT-NeoX layout, as Hugging Face Llama checkpoints use), with
-    cos/sin tables for every position up to ``max_positions`` computed once in fp32."""
+    """Rotate-half RoPE (GPT-NeoX layout, as Hugging Face Llama checkpoints use), with the
+    cosines and sines of every position up to ``max_positions`` computed once in fp32:
+    ``cos_sin[pos] = [cos(pos * f) | sin(pos * f)]`` over the ``head_dim / 2`` frequencies."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
                                     / head_dim))
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+                             persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[T, 1, head_dim]`` in ``dtype``, for the step's tokens."""
-        return (self.cos[positions].to(dtype).unsqueeze(1),
-                self.sin[positions].to(dtype).unsqueeze(1))
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated ``(q, k)`` (``[T, heads, head_dim]``); fp32 ones are rotated in place."""
+        if native_fp32(q) and self.cos_sin.dtype == torch.float32:
+            ops.rotary_embedding(positions, q, k, self.cos_sin)
+            return q, k
+        half = self.cos_sin.shape[1] // 2
+        cos, sin = self.cos_sin[positions, :half], self.cos_sin[positions, half:]
+        cos = torch.cat([cos, cos], dim=-1).to(q.dtype).unsqueeze(1)
+        sin = torch.cat([sin, sin], dim=-1).to(q.dtype).unsqueeze(1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary
+from pagedattn.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
 
 DECODER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM"}
@@ -94,18 +94,23 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                rotary: RotaryEmbedding, kv_cache: torch.Tensor,
+                attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual)`` after the layer; the next layer (or the final norm) adds them."""
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = rotary(positions, q.view(t, self.num_heads, self.head_dim),
+                      k.view(t, self.num_kv_heads, self.head_dim))
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         attn = self.attn(q, k, v, kv_cache, attn_metadata)
-        x = x + self.o_proj(attn.view(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        h, residual = self.post_attention_layernorm(self.o_proj(attn.view(t, self.q_size)), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,11 +127,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.tables(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, self.rotary, kv_cache, attn_metadata)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

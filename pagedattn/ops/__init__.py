@@ -49,6 +49,7 @@ __all__ = [
     "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
     "cpu_attention_with_kv_cache", "metadata_numel",
     "LINEAR_PANEL", "PACKED_LINEAR_DTYPES", "pack_linear_weight", "packed_linear",
+    "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
 ]
 
 _warned_fallback = False
@@ -396,3 +397,44 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     if not native_available():
         return _fallback("packed_linear").packed_linear(x, packed_weight, bias, n)
     return torch.ops.pagedattn.packed_linear(x, packed_weight, bias, n)
+
+
+# ------------------------------------------------------------------ layer steps (fp32)
+# One op each instead of torch's chains of small ops: at batch 1 a decode step's time is
+# mostly per-op overhead outside the linear layers. Semantics: the reference functions.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of float32 ``x`` ``[T, d]`` (last dim contiguous) with float32
+    ``weight`` ``[d]``; returns a new ``[T, d]`` tensor."""
+    if not native_available():
+        return _fallback("rms_norm").rms_norm(x, weight, eps)
+    return torch.ops.pagedattn.rms_norm(x, weight, float(eps))
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """``residual += x`` (in place, float32 ``[T, d]``), then :func:`rms_norm` of it."""
+    if not native_available():
+        return _fallback("fused_add_rms_norm").fused_add_rms_norm(x, residual, weight, eps)
+    return torch.ops.pagedattn.fused_add_rms_norm(x, residual, weight, float(eps))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for float32 ``x`` ``[T, 2 d]``; returns ``[T, d]``."""
+    if not native_available():
+        return _fallback("silu_and_mul").silu_and_mul(x)
+    return torch.ops.pagedattn.silu_and_mul(x)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    """Rotate-half (GPT-NeoX layout) RoPE, in place on float32 ``query`` ``[T, H, D]`` and
+    ``key`` ``[T, Hk, D]`` (last dims contiguous; token/head strides free, so the views
+    of a fused QKV output work), int64 ``positions`` ``[T]``, float32 ``cos_sin_cache``
+    ``[max_positions, D]``: the ``D / 2`` cosines then sines of each position. A position
+    outside the cache raises."""
+    if not native_available():
+        _fallback("rotary_embedding").rotary_embedding(positions, query, key, cos_sin_cache)
+        return
+    torch.ops.pagedattn.rotary_embedding(positions, query, key, cos_sin_cache)

@@ -72,3 +72,19 @@ if AVAILABLE:
     @torch.library.register_fake("pagedattn::packed_linear")
     def _packed_linear_fake(x, packed_weight, bias, out_features):
         return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("pagedattn::rms_norm")
+    def _rms_norm_fake(x, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("pagedattn::fused_add_rms_norm")
+    def _fused_add_rms_norm_fake(x, residual, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("pagedattn::silu_and_mul")
+    def _silu_and_mul_fake(x):
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("pagedattn::rotary_embedding")
+    def _rotary_embedding_fake(positions, query, key, cos_sin_cache):
+        return None

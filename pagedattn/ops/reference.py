@@ -550,3 +550,38 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     if bias is not None:
         out = out + bias.double()
     return out.float()
+
+
+# ------------------------------------------------------------------ layer steps (fp32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: ``(x * rsqrt(mean(x^2) + eps)) * weight`` per row."""
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * weight
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """``residual += x`` in place, then :func:`rms_norm` of the sum."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` of width ``2 d``."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    """Rotate-half RoPE in place: ``x * cos + rotate_half(x) * sin`` for every head of
+    ``query`` ``[T, H, D]`` and ``key`` ``[T, Hk, D]``, with ``cos_sin_cache[pos]`` holding
+    the ``D / 2`` cosines then the ``D / 2`` sines of position ``pos``."""
+    half = cos_sin_cache.shape[1] // 2
+    cos = cos_sin_cache[positions, :half].unsqueeze(1)
+    sin = cos_sin_cache[positions, half:].unsqueeze(1)
+    for t in (query, key):
+        x1, x2 = t[..., :half].clone(), t[..., half:].clone()
+        t[..., :half] = x1 * cos + (-x2) * sin
+        t[..., half:] = x2 * cos + x1 * sin

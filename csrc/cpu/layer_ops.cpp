@@ -1,0 +1,157 @@
+// A transformer layer's elementwise steps as single ops (fp32 activations): rms_norm,
+// fused_add_rms_norm, silu_and_mul (vectorised row kernels, layer_kernel_impl.h) and the
+// rotate-half rotary embedding, in place. Validation here, unchecked loops below it.
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "binding_utils.h"
+
+namespace pagedattn {
+
+namespace {
+// Rows per parallel chunk, so a decode step's few rows stay on the calling thread.
+constexpr int64_t kRowGrain = 16;
+
+void check_f32_rows(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D [num_tokens, hidden], got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.size(1) <= 1 || t.stride(1) == 1, name,
+                    " last dim must be contiguous, got strides ", t.strides());
+}
+
+void check_norm_weight(const at::Tensor& weight, int64_t d, double eps) {
+  check_cpu(weight, "weight");
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kFloat, "weight must be float32, got ",
+                   weight.scalar_type());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == d, "weight must be [", d,
+                    "], got shape ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.is_contiguous(), "weight must be contiguous");
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "eps must be a finite number >= 0, got ", eps);
+}
+
+at::Tensor run_norm(const at::Tensor& x, float* residual, int64_t residual_stride,
+                    const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const NormParams p{x.data_ptr<float>(), x.stride(0), residual, residual_stride,
+                     weight.data_ptr<float>(), static_cast<float>(eps), out.data_ptr<float>(),
+                     out.size(1), x.size(1)};
+  const KernelTable* kt = current_kernels();
+  at::parallel_for(0, x.size(0), kRowGrain,
+                   [&](int64_t b, int64_t e) { kt->rms_norm_rows(p, b, e); });
+  return out;
+}
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_f32_rows(x, "x");
+  check_norm_weight(weight, x.size(1), eps);
+  return run_norm(x, nullptr, 0, weight, eps);
+}
+
+at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                              double eps) {
+  check_f32_rows(x, "x");
+  check_f32_rows(residual, "residual");
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual shape ", residual.sizes(),
+                    " must equal x shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.numel() == 0 || at::has_internal_overlap(residual) != at::MemOverlap::Yes,
+                    "residual must not overlap itself (it is updated in place)");
+  check_norm_weight(weight, x.size(1), eps);
+  return run_norm(x, residual.data_ptr<float>(), residual.stride(0), weight, eps);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_f32_rows(x, "x");
+  TORCH_CHECK_VALUE(x.size(1) % 2 == 0, "x must have an even last dim [num_tokens, 2 * d], got ",
+                    x.size(1));
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, d}, x.options());
+  const KernelTable* kt = current_kernels();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    kt->silu_mul_rows(xp, x.stride(0), op, d, b, e, d);
+  });
+  return out;
+}
+
+namespace {
+void check_rotary_input(const at::Tensor& t, const char* name, int64_t tokens, int64_t head_size) {
+  check_cpu(t, name);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_size, name,
+                    " must be [", tokens, ", num_heads, ", head_size, "], got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.stride(2) == 1, name, " last dim must be contiguous, got strides ",
+                    t.strides());
+  TORCH_CHECK_VALUE(t.numel() == 0 || at::has_internal_overlap(t) != at::MemOverlap::Yes, name,
+                    " must not overlap itself (it is rotated in place)");
+}
+
+// x[i], x[i + half] <- x[i] cos - x[i + half] sin, x[i + half] cos + x[i] sin: Hugging
+// Face's x * cos + rotate_half(x) * sin, term for term (no fused multiply-add here).
+void rotate_heads(float* x, int64_t heads, int64_t head_stride, const float* cos,
+                  const float* sin, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* a = x + h * head_stride;
+    float* b = a + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = a[i], x2 = b[i];
+      a[i] = x1 * cos[i] + (-x2) * sin[i];
+      b[i] = x2 * cos[i] + x1 * sin[i];
+    }
+  }
+}
+}  // namespace
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                      const at::Tensor& cos_sin_cache) {
+  check_index_tensor(positions, "positions", at::kLong, 1);
+  check_cpu(cos_sin_cache, "cos_sin_cache");
+  TORCH_CHECK_TYPE(cos_sin_cache.scalar_type() == at::kFloat, "cos_sin_cache must be float32, got ",
+                   cos_sin_cache.scalar_type());
+  TORCH_CHECK_VALUE(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) % 2 == 0 &&
+                        cos_sin_cache.size(1) > 0 && cos_sin_cache.is_contiguous(),
+                    "cos_sin_cache must be contiguous [max_positions, head_size] (cos then sin "
+                    "halves), got shape ", cos_sin_cache.sizes());
+  const int64_t tokens = positions.size(0), head_size = cos_sin_cache.size(1);
+  const int64_t max_pos = cos_sin_cache.size(0), half = head_size / 2;
+  check_rotary_input(query, "query", tokens, head_size);
+  check_rotary_input(key, "key", tokens, head_size);
+  const at::Tensor pos_c = positions.contiguous();
+  const int64_t* pos = pos_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_pos, "positions[", t, "] (", pos[t],
+                      ") is outside the cos_sin_cache's [0, ", max_pos, ")");
+  float* q = query.data_ptr<float>();
+  float* k = key.data_ptr<float>();
+  const float* table = cos_sin_cache.data_ptr<float>();
+  at::parallel_for(0, tokens, kRowGrain, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* cos = table + pos[t] * head_size;
+      rotate_heads(q + t * query.stride(0), query.size(1), query.stride(1), cos, cos + half, half);
+      rotate_heads(k + t * key.stride(0), key.size(1), key.stride(1), cos, cos + half, half);
+    }
+  });
+}
+
+}  // namespace pagedattn
+
+TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
+        "Tensor cos_sin_cache) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {
+  m.impl("rms_norm", &pagedattn::rms_norm);
+  m.impl("fused_add_rms_norm", &pagedattn::fused_add_rms_norm);
+  m.impl("silu_and_mul", &pagedattn::silu_and_mul);
+  m.impl("rotary_embedding", &pagedattn::rotary_embedding);
+}
