@@ -419,10 +419,7 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         key_cache, value_cache = kv_cache.unbind(0)
         k_scale, v_scale = self._kv_scales(layer, kv_cache)
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            ops.cpu_attn_reshape_and_cache(
-                key, value, key_cache, value_cache, attn_metadata.slot_mapping,
-                attn_metadata.isa, k_scale=k_scale, v_scale=v_scale,
-            )
+            self._write_cache(key, value, key_cache, value_cache, attn_metadata, k_scale, v_scale)
 
         if attn_metadata.use_sdpa_prefill:
             lo = attn_metadata.num_decode_tokens
@@ -435,25 +432,39 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
             num_tokens = lo
 
         if num_tokens > 0:
-            ops.cpu_attention_with_kv_cache(
-                query=query[:num_tokens],
-                key_cache=key_cache,
-                value_cache=value_cache,
-                output=output[:num_tokens],
-                query_start_loc=attn_metadata.query_start_loc,
-                seq_lens=attn_metadata.seq_lens,
-                scale=self.scale,
-                causal=attn_metadata.causal,
-                alibi_slopes=self.alibi_slopes,
-                sliding_window=self.sliding_window,
-                block_table=attn_metadata.block_table,
-                softcap=self.logits_soft_cap,
-                scheduler_metadata=attn_metadata.scheduler_metadata,
-                s_aux=self.sinks,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
+            self._attend(query[:num_tokens], key_cache, value_cache, output[:num_tokens],
+                         attn_metadata, k_scale, v_scale)
         return output
+
+    # The impl's own arguments were validated at construction and the metadata's by its
+    # builder, so per layer it calls the native ops directly; the public wrappers in
+    # pagedattn.ops re-validate every argument (~30 us per layer of Python at batch 1).
+
+    def _write_cache(self, key, value, key_cache, value_cache, md: CPUAttentionMetadata,
+                     k_scale: float, v_scale: float) -> None:
+        if ops.native_available():
+            torch.ops.pagedattn.cpu_attn_reshape_and_cache(
+                key, value, key_cache, value_cache, md.slot_mapping, md.isa.code, k_scale, v_scale)
+        else:
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping,
+                                           md.isa, k_scale=k_scale, v_scale=v_scale)
+
+    def _attend(self, query, key_cache, value_cache, output, md: CPUAttentionMetadata,
+                k_scale: float, v_scale: float) -> None:
+        if ops.native_available():
+            left, right = self.sliding_window
+            torch.ops.pagedattn.cpu_attention_with_kv_cache(
+                query, key_cache, value_cache, output, md.query_start_loc, md.seq_lens,
+                self.scale, md.causal, self.alibi_slopes, left, right, md.block_table,
+                self.logits_soft_cap, md.scheduler_metadata, self.sinks, k_scale, v_scale)
+            return
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=output,
+            query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, scale=self.scale,
+            causal=md.causal, alibi_slopes=self.alibi_slopes,
+            sliding_window=self.sliding_window, block_table=md.block_table,
+            softcap=self.logits_soft_cap, scheduler_metadata=md.scheduler_metadata,
+            s_aux=self.sinks, k_scale=k_scale, v_scale=v_scale)
 
     def _kv_scales(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> tuple[float, float]:
         """The layer's per-tensor fp8 scales (1.0 for a model-dtype cache); checks that the

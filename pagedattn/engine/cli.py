@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedattn.engine.llm import DTYPES
+from pagedattn.engine.llm import DTYPES, LINEAR_IMPLS
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +21,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--backend", default=None, help="attention backend (default: registry choice)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--linear-impl", choices=LINEAR_IMPLS, default=None,
+                   help="linear layers: packed native kernel (default with the extension) "
+                        "or torch nn.Linear")
 
 
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +35,7 @@ def add_embed_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the cosine-similarity table instead of the vectors")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--backend", default=None)
+    p.add_argument("--linear-impl", choices=LINEAR_IMPLS, default=None)
 
 
 def _lines(path: str) -> list[str]:
@@ -49,7 +53,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(model=args.model, dtype=args.dtype, backend=args.backend)
+    llm = LLM(model=args.model, dtype=args.dtype, backend=args.backend,
+              linear_impl=args.linear_impl)
     progress = len(prompts) > 1
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)
@@ -73,7 +78,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
     if not sentences:
         print("pagedattn embed: give sentences as arguments or --file FILE", file=sys.stderr)
         return 2
-    llm = LLM(model=args.model, dtype=args.dtype, backend=args.backend)
+    llm = LLM(model=args.model, dtype=args.dtype, backend=args.backend,
+              linear_impl=args.linear_impl)
     vectors = llm.embed(sentences)
     if args.similarity:
         sim = vectors @ vectors.T

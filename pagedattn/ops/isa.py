@@ -80,6 +80,9 @@ class CpuIsa(str, enum.Enum):
         return cls(CPU_ISA_NAMES[code])
 
 
+_HINT_CODES = {name: i for i, (name, _) in enumerate(ISA_HINTS)}
+
+
 class IsaHint(str, enum.Enum):
     """vLLM's kernel-variant hint strings; ``.block_multiple`` is the block size they need."""
 
@@ -90,7 +93,7 @@ class IsaHint(str, enum.Enum):
 
     @property
     def code(self) -> int:
-        return [name for name, _ in ISA_HINTS].index(self.value)
+        return _HINT_CODES[self.value]
 
     @property
     def block_multiple(self) -> int:
