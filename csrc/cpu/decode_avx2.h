@@ -160,6 +160,10 @@ inline void from_layout(const float* y, float* x, int D) {
   for (; d < D; ++d) x[d] = y[d];
 }
 
+// Keeps x in a register: GCC would otherwise fold the load of a q vector into each of the
+// KB FMAs that use it (one load per FMA: q.k became load-bound, 18 loads per 16 FMAs).
+inline void in_register(__m256& x) { asm("" : "+x"(x)); }
+
 // Lane i of the result = the sum of a[i]'s lanes (VecAvx2::reduce_lanes, inlined here: as
 // a call its 8 inputs went through memory).
 __attribute__((always_inline)) inline __m256 sum_lanes8(const __m256* a) {
@@ -215,7 +219,8 @@ struct QkAvx2 {
         for (int i = 0; i < KB; ++i) kv[i] = Src::half0(h[i]);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
-          const V qa = _mm256_loadu_ps(q + r * D + d);
+          V qa = _mm256_loadu_ps(q + r * D + d);
+          in_register(qa);
 #pragma GCC unroll 8
           for (int i = 0; i < KB; ++i) x[r][i] = _mm256_fmadd_ps(qa, kv[i], x[r][i]);
         }
@@ -223,7 +228,8 @@ struct QkAvx2 {
         for (int i = 0; i < KB; ++i) kv[i] = Src::half1(h[i]);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
-          const V qb = _mm256_loadu_ps(q + r * D + d + 8);
+          V qb = _mm256_loadu_ps(q + r * D + d + 8);
+          in_register(qb);
 #pragma GCC unroll 8
           for (int i = 0; i < KB; ++i) x[r][i] = _mm256_fmadd_ps(qb, kv[i], x[r][i]);
         }
@@ -309,31 +315,7 @@ struct PvAvx2 {
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) a[r][j] = _mm256_loadu_ps(acc + r * D + d + 8 * j);
     const auto* vt = vb + d;
-    int t = 0;
-    for (; t + 1 < n; t += 2, vt += 2 * vst) {
-      pf.tick();
-      pf.tick();
-      V v[NV], w[NV];
-      if (NC == 0) {
-        v[0] = Src::load8(vt);
-        w[0] = Src::load8(vt + vst);
-      } else {
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; ++c) {
-          Src::load16(vt + 16 * c, v[2 * c], v[2 * c + 1]);
-          Src::load16(vt + vst + 16 * c, w[2 * c], w[2 * c + 1]);
-        }
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) {
-        const V p0 = _mm256_broadcast_ss(P + r * lds + t);
-        const V p1 = _mm256_broadcast_ss(P + r * lds + t + 1);
-#pragma GCC unroll 8
-        for (int j = 0; j < NV; ++j)
-          a[r][j] = _mm256_add_ps(a[r][j], _mm256_fmadd_ps(p1, w[j], _mm256_mul_ps(p0, v[j])));
-      }
-    }
-    for (; t < n; ++t, vt += vst) {
+    for (int t = 0; t < n; ++t, vt += vst) {
       pf.tick();
       V v[NV];
       if (NC == 0) {
