@@ -283,7 +283,9 @@ struct PrefillItem {
 // into scratch of element type E, and the E-cache kernels run on that (L1-resident) copy;
 // decoding inside q.k would redo it for every pair of query rows. E = float by default
 // (VO::cvt_row: the ISA's vectorised decode); an ISA TU may pick another E, as
-// AVX512-BF16 does (bf16, for vdpbf16ps). Other caches are read in place (kActive false).
+// AVX512-BF16 does (bf16, for vdpbf16ps), or read the bytes in place with kernels that
+// convert each chunk once for all rows, as AVX2 does (decode_avx2.h). Other caches are
+// read in place (kActive false).
 template <class VO, class C>
 struct Fp8ToFloatRows {
   using E = float;
