@@ -159,6 +159,14 @@ struct QkGeneric {
   }
 };
 
+// A Qk may score all R rows of a key group in one call instead (dot_rows(q, R, k, kst, D,
+// out, lds, pf) and its tick count rows_ticks(R, t0, t1)), e.g. to convert each key chunk
+// once for a whole GQA group (decode_avx2.h).
+template <class Q, class = void>
+struct HasDotRows : std::false_type {};
+template <class Q>
+struct HasDotRows<Q, std::void_t<decltype(&Q::dot_rows)>> : std::true_type {};
+
 // ISA TUs may specialize Qk (e.g. AVX512-BF16 dot products) before instantiating.
 template <class VO, class T, class C = T>
 struct Qk : QkGeneric<VO, T, C> {};
@@ -275,7 +283,9 @@ struct PrefillItem {
 // into scratch of element type E, and the E-cache kernels run on that (L1-resident) copy;
 // decoding inside q.k would redo it for every pair of query rows. E = float by default
 // (VO::cvt_row: the ISA's vectorised decode); an ISA TU may pick another E, as
-// AVX512-BF16 does (bf16, for vdpbf16ps). Other caches are read in place (kActive false).
+// AVX512-BF16 does (bf16, for vdpbf16ps), or read the bytes in place with kernels that
+// convert each chunk once for all rows, as AVX2 does (decode_avx2.h). Other caches are
+// read in place (kActive false).
 template <class VO, class C>
 struct Fp8ToFloatRows {
   using E = float;
@@ -331,15 +341,20 @@ struct AttnKernel {
         kg = kpad;
         gst = D;
       }
-      int r = 0;
-      for (; r + 1 < R; r += 2)
-        QkT::dot_group2(qp + r * D, qp + (r + 1) * D, kg, gst, D, S + r * lds + tg,
-                              S + (r + 1) * lds + tg, pf);
-      for (; r < R; ++r)
-        VO::store(S + r * lds + tg, QkT::dot_group(qp + r * D, kg, gst, D, pf));
+      if constexpr (HasDotRows<QkT>::value) {
+        QkT::dot_rows(qp, R, kg, gst, D, S + tg, lds, pf);
+      } else {
+        int r = 0;
+        for (; r + 1 < R; r += 2)
+          QkT::dot_group2(qp + r * D, qp + (r + 1) * D, kg, gst, D, S + r * lds + tg,
+                          S + (r + 1) * lds + tg, pf);
+        for (; r < R; ++r)
+          VO::store(S + r * lds + tg, QkT::dot_group(qp + r * D, kg, gst, D, pf));
+      }
     }
   }
   static int qk_ticks(int R, int t0, int t1) {
+    if constexpr (HasDotRows<QkT>::value) return QkT::rows_ticks(R, t0, t1);
     return (R + 1) / 2 * ((t1 - t0 / W * W + W - 1) / W) * W;
   }
 

@@ -19,6 +19,7 @@ namespace {
 #include "vec_scalar.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
+#include "decode_avx2.h"
 #include "linear_kernel_impl.h"
 #include "layer_kernel_impl.h"
 #include "prefill_lanes_avx2.h"
