@@ -166,22 +166,6 @@ inline void from_layout(const float* y, float* x, int D) {
 // KB FMAs that use it (one load per FMA: q.k became load-bound, 18 loads per 16 FMAs).
 inline void in_register(__m256& x) { asm("" : "+x"(x)); }
 
-// Lane i of the result = the sum of a[i]'s lanes (VecAvx2::reduce_lanes, inlined here: as
-// a call its 8 inputs went through memory).
-__attribute__((always_inline)) inline __m256 sum_lanes8(const __m256* a) {
-  __m256 b[4], c[2];
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int j = 0; j < 2; ++j) {
-    const __m256d x = _mm256_castps_pd(b[2 * j]), y = _mm256_castps_pd(b[2 * j + 1]);
-    c[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
-                         _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20),
-                       _mm256_permute2f128_ps(c[0], c[1], 0x31));
-}
-
 // q.k of up to 8 query rows against a group of 8 keys, all rows per pass over the keys.
 template <class T, class C>
 struct QkAvx2 {
@@ -250,7 +234,7 @@ struct QkAvx2 {
 #pragma GCC unroll 8
         for (int i = 0; i < KB; ++i) res[r][k0 + i] = x[r][i];
     }
-    for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * lds, sum_lanes8(res[r]));
+    for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * lds, VecAvx2::reduce_lanes(res[r]));
   }
 
   template <class Src>

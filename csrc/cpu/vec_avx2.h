@@ -28,8 +28,9 @@ struct VecAvx2 {
     return _mm_cvtss_f32(s);
   }
 
-  // Lane i of the result = sum of a[i]'s lanes (see VecAvx512::reduce_lanes).
-  static V reduce_lanes(const V* a) {
+  // Lane i of the result = sum of a[i]'s lanes (see VecAvx512::reduce_lanes). Always
+  // inlined: as a call its 8 inputs go through memory.
+  __attribute__((always_inline)) static V reduce_lanes(const V* a) {
     V b[4], c[2];
     for (int i = 0; i < 4; ++i)
       b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]),
