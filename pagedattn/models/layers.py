@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pagedattn import ops
+from pagedattn.ops import reference
 
 
 def native_fp32(x: torch.Tensor) -> bool:
@@ -45,8 +46,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused gate/up projection ``[T, 2 d]``."""
     if native_fp32(x):
         return ops.silu_and_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return reference.silu_and_mul(x)  # any dtype; the op's own definition
 
 
 class PackedLinear(nn.Module):
