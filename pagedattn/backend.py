@@ -10,7 +10,7 @@ names three collaborators:
 * ``get_kv_cache_shape()``, the logical shape of one layer's paged KV cache.
 
 Code written against vLLM's interface ports by changing imports: ``VllmConfig`` is
-``pagedattn.config.EngineConfig`` and the parallel state lives in
+``pagedattn.config.BuilderConfig`` and the parallel state lives in
 ``pagedattn.distributed``.
 """
 
@@ -31,7 +31,7 @@ from pagedattn.config import (
     BlockSize,
     CacheDType,
     DeviceCapability,
-    EngineConfig,
+    BuilderConfig,
     KVCacheLayoutType,
     _ParsableStrEnum,
 )
@@ -562,16 +562,16 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         self,
         kv_cache_spec: AttentionSpec,
         layer_names: list[str],
-        vllm_config: EngineConfig,
+        vllm_config: BuilderConfig,
         device: torch.device,
     ) -> None:
         if not isinstance(kv_cache_spec, AttentionSpec):
             raise TypeError(
                 f"kv_cache_spec must be an AttentionSpec, got {type(kv_cache_spec).__name__}"
             )
-        if not isinstance(vllm_config, EngineConfig):
+        if not isinstance(vllm_config, BuilderConfig):
             raise TypeError(
-                f"vllm_config must be a pagedattn.config.EngineConfig, "
+                f"vllm_config must be a pagedattn.config.BuilderConfig, "
                 f"got {type(vllm_config).__name__}"
             )
         if not isinstance(layer_names, (list, tuple)) or not all(
@@ -586,7 +586,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     @classmethod
     def get_cudagraph_support(
         cls,
-        vllm_config: EngineConfig,
+        vllm_config: BuilderConfig,
         kv_cache_spec: AttentionSpec,
     ) -> AttentionCGSupport:
         """The CUDA-graph support level of this builder class for the given config."""

@@ -183,8 +183,10 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """The config object a metadata builder receives (vLLM's ``VllmConfig``)."""
+class BuilderConfig:
+    """The config a metadata builder receives (vLLM's ``VllmConfig``): the model's attention
+    geometry, the cache and the parallelism. The engine's own settings are
+    ``pagedattn.engine.EngineArgs``; the engine derives one of these from them."""
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -208,5 +210,5 @@ class EngineConfig:
             )
 
 
-VllmConfig = EngineConfig
+VllmConfig = BuilderConfig
 """Alias so code written against vLLM's builder signature ports by changing imports."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedattn.config import EngineConfig, _require_positive, validate_block_size
+from pagedattn.config import BuilderConfig, _require_positive, validate_block_size
 
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8,
               torch.float8_e4m3fn, torch.float8_e5m2)
@@ -50,14 +50,14 @@ class AttentionSpec:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
 
-    def max_tokens_resident(self, config: EngineConfig) -> int:
+    def max_tokens_resident(self, config: BuilderConfig) -> int:
         """Most tokens of one request this layer must keep in the cache."""
         max_len = config.model_config.max_model_len
         if self.sliding_window is not None:
             return min(max_len, self.sliding_window - 1 + self.block_size)
         return max_len
 
-    def max_memory_usage_bytes(self, config: EngineConfig) -> int:
+    def max_memory_usage_bytes(self, config: BuilderConfig) -> int:
         """Upper bound of cache bytes one request of maximal length needs."""
         return _cdiv(self.max_tokens_resident(config), self.block_size) * self.page_size_bytes
 
@@ -77,7 +77,7 @@ class CrossAttentionSpec(AttentionSpec):
         if self.max_encoder_len < 0:
             raise ValueError(f"max_encoder_len must be >= 0, got {self.max_encoder_len}")
 
-    def max_tokens_resident(self, config: EngineConfig) -> int:
+    def max_tokens_resident(self, config: BuilderConfig) -> int:
         return self.max_encoder_len or config.model_config.max_model_len
 
 
@@ -86,5 +86,5 @@ class EncoderOnlyAttentionSpec(AttentionSpec):
     """Bidirectional encoder self-attention: K/V live only within one forward pass,
     so the layer needs no persistent cache."""
 
-    def max_memory_usage_bytes(self, config: EngineConfig) -> int:
+    def max_memory_usage_bytes(self, config: BuilderConfig) -> int:
         return 0

@@ -39,6 +39,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def query_start_loc(query_lens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """int32 ``[num_reqs + 1]``: request r's tokens are rows ``[qsl[r], qsl[r + 1])``.
+
+    Example: ``query_lens=[1, 3]`` -> ``[0, 1, 4]``.
+    """
+    lens = torch.as_tensor(query_lens, dtype=torch.int32)
+    qsl = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=qsl[1:])
+    return qsl
+
+
 def blocks_and_offsets(block_table: Any, positions: Any, block_size: int,
                        req_indices: Any = None) -> tuple[Any, Any]:
     """``(block, offset)`` of each absolute position: ``block_table[pos // bs]`` and

@@ -31,7 +31,7 @@ from pagedattn.config import (
     BlockSize,
     CacheDType,
     DeviceCapability,
-    EngineConfig,
+    BuilderConfig,
     ParallelConfig,
     SpeculativeConfig,
 )
@@ -156,7 +156,7 @@ def _no_cp_groups():
 
 def make_builder(cls=DummyBuilder, *, num_spec=None, dcp=1, device="cpu"):
     spec = SpeculativeConfig(num_spec) if num_spec is not None else None
-    config = EngineConfig(
+    config = BuilderConfig(
         parallel_config=ParallelConfig(decode_context_parallel_size=dcp),
         speculative_config=spec,
     )
@@ -587,19 +587,19 @@ def test_builder_stores_its_inputs():
     assert b.layer_names == ["layers.0.attn", "layers.1.attn"]
     assert b.device == torch.device("cpu")
     assert b.kv_cache_spec.block_size == 16
-    assert isinstance(b.vllm_config, EngineConfig)
+    assert isinstance(b.vllm_config, BuilderConfig)
     assert b.reorder_batch_threshold is None
     assert b.supports_update_block_table is False
 
 
 def test_builder_rejects_wrong_inputs():
     spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="vllm_config must be a pagedattn.config.EngineConfig"):
+    with pytest.raises(TypeError, match="vllm_config must be a pagedattn.config.BuilderConfig"):
         DummyBuilder(spec, ["a"], {"block_size": 16}, "cpu")
     with pytest.raises(TypeError, match="kv_cache_spec must be an AttentionSpec"):
-        DummyBuilder(object(), ["a"], EngineConfig(), "cpu")
+        DummyBuilder(object(), ["a"], BuilderConfig(), "cpu")
     with pytest.raises(TypeError, match="layer_names must be a list of str"):
-        DummyBuilder(spec, "layers.0", EngineConfig(), "cpu")
+        DummyBuilder(spec, "layers.0", BuilderConfig(), "cpu")
 
 
 def test_cudagraph_support_is_per_class():
@@ -607,8 +607,8 @@ def test_cudagraph_support_is_per_class():
         _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
     spec = make_builder().kv_cache_spec
-    assert DummyBuilder.get_cudagraph_support(EngineConfig(), spec) is AttentionCGSupport.NEVER
-    assert Uniform.get_cudagraph_support(EngineConfig(), spec) is AttentionCGSupport.UNIFORM_BATCH
+    assert DummyBuilder.get_cudagraph_support(BuilderConfig(), spec) is AttentionCGSupport.NEVER
+    assert Uniform.get_cudagraph_support(BuilderConfig(), spec) is AttentionCGSupport.UNIFORM_BATCH
 
 
 @pytest.mark.parametrize(
@@ -635,7 +635,7 @@ def test_init_reorder_batch_threshold(num_spec, dcp, kwargs, expected):
 
 def test_speculative_config_without_token_count_keeps_threshold():
     spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    config = EngineConfig(speculative_config=SpeculativeConfig(None))
+    config = BuilderConfig(speculative_config=SpeculativeConfig(None))
     b = DummyBuilder(spec, ["l0"], config, "cpu")
     b._init_reorder_batch_threshold(2, supports_spec_as_decode=True)
     assert b.reorder_batch_threshold == 2

@@ -7,7 +7,7 @@ from pagedattn.config import (
     CacheConfig,
     CacheDType,
     DeviceCapability,
-    EngineConfig,
+    BuilderConfig,
     KVCacheLayoutType,
     ModelConfig,
     ParallelConfig,
@@ -72,11 +72,11 @@ def test_parallel_and_speculative_configs_validate():
 
 
 def test_engine_config_type_checks_members_and_alias():
-    assert VllmConfig is EngineConfig
-    cfg = EngineConfig(speculative_config=SpeculativeConfig(2))
+    assert VllmConfig is BuilderConfig
+    cfg = BuilderConfig(speculative_config=SpeculativeConfig(2))
     assert cfg.speculative_config.num_speculative_tokens == 2
     with pytest.raises(TypeError, match="cache_config must be a CacheConfig, got dict"):
-        EngineConfig(cache_config={"block_size": 16})
+        BuilderConfig(cache_config={"block_size": 16})
 
 
 def test_device_capability():
@@ -88,7 +88,7 @@ def test_device_capability():
 def test_attention_spec_validates_and_sizes_pages():
     spec = AttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     assert spec.page_size_bytes == 2 * 16 * 8 * 128 * 2
-    cfg = EngineConfig(model_config=ModelConfig(max_model_len=1000))
+    cfg = BuilderConfig(model_config=ModelConfig(max_model_len=1000))
     assert spec.max_memory_usage_bytes(cfg) == 63 * spec.page_size_bytes  # ceil(1000/16)
     windowed = AttentionSpec(16, 8, 128, torch.bfloat16, sliding_window=100)
     assert windowed.max_memory_usage_bytes(cfg) == 8 * spec.page_size_bytes  # ceil(115/16)
@@ -101,7 +101,7 @@ def test_attention_spec_validates_and_sizes_pages():
 
 
 def test_cross_and_encoder_only_specs():
-    cfg = EngineConfig()
+    cfg = BuilderConfig()
     cross = CrossAttentionSpec(16, 8, 64, torch.float32, max_encoder_len=100)
     assert cross.max_memory_usage_bytes(cfg) == 7 * cross.page_size_bytes
     with pytest.raises(ValueError, match="cross attention has no sliding window"):

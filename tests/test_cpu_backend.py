@@ -23,7 +23,7 @@ from pagedattn.backends.cpu_attn import (
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
-from pagedattn.config import CacheConfig, EngineConfig, ModelConfig
+from pagedattn.config import CacheConfig, BuilderConfig, ModelConfig
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
 from pagedattn.ops import reference as ref
 from pagedattn.ops.isa import IsaHint
@@ -43,7 +43,7 @@ FEATURES = {
 
 
 def engine_config(dtype, block_size):
-    return EngineConfig(
+    return BuilderConfig(
         model_config=ModelConfig(dtype=dtype, num_attention_heads=H, num_kv_heads=HKV, head_size=D),
         cache_config=CacheConfig(block_size=block_size),
     )

@@ -26,7 +26,7 @@ from pagedattn.backends.cpu_attn import (
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
-from pagedattn.config import CONFIGURABLE_BLOCK_SIZES, CacheConfig, EngineConfig, ModelConfig
+from pagedattn.config import CONFIGURABLE_BLOCK_SIZES, CacheConfig, BuilderConfig, ModelConfig
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
 from pagedattn.ops import kernel_shapes
 from pagedattn.ops import reference as ref
@@ -150,7 +150,7 @@ def run_row(row: dict) -> None:
     fp8 = ref.FP8_CACHE_DTYPES.get(row["cache"])
     ks, vs = SCALES._k_scale_float, SCALES._v_scale_float
     impl = make_impl(row, head)
-    config = EngineConfig(
+    config = BuilderConfig(
         model_config=ModelConfig(dtype=dtype, num_attention_heads=H, num_kv_heads=HKV,
                                  head_size=head),
         cache_config=CacheConfig(block_size=block, cache_dtype=row["cache"]))

@@ -82,7 +82,7 @@ def test_greedy_tokens_match_transformers(checkpoint, mode):
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     if mode == "preempt":
-        assert llm.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.num_preemptions > 0
     # Again, now that the first run's blocks are cached: prefix-cache hits, same tokens.
     again = llm.generate(_prompts()[-3:], SamplingParams(temperature=0, max_tokens=MAX_NEW,
                                                          ignore_eos=True))
@@ -92,4 +92,4 @@ def test_greedy_tokens_match_transformers(checkpoint, mode):
         assert hit_tokens == 0
     else:
         assert hit_tokens >= 3 * 32, "the shared prefixes gave no prefix-cache hit"
-    assert llm.kv.pool.num_free_blocks == llm.kv.pool.num_blocks
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks

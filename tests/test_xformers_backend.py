@@ -21,7 +21,7 @@ from pagedattn.backends.xformers import (
     XFormersAttentionMetadataBuilder,
     xformers_problems,
 )
-from pagedattn.config import CacheConfig, DeviceCapability, EngineConfig, ModelConfig
+from pagedattn.config import CacheConfig, DeviceCapability, BuilderConfig, ModelConfig
 from pagedattn.kv_cache_spec import AttentionSpec
 from pagedattn.ops.reference import visibility_mask
 from pagedattn.testing import BatchSpec, make_paged_batch
@@ -83,12 +83,12 @@ def test_module_imports_without_xformers_and_triton_and_says_why():
         config = registry.default_selector_config(64, torch.float16, device="cpu")
         print(registry.unsupported_reasons("XFORMERS_VLLM_V1", config))
         print(registry.unsupported_reasons("TRITON_ATTN", config))
-        from pagedattn.config import EngineConfig, ModelConfig
+        from pagedattn.config import BuilderConfig, ModelConfig
         from pagedattn.kv_cache_spec import AttentionSpec
         try:
             xf.XFormersAttentionMetadataBuilder(
                 AttentionSpec(16, 2, 64, torch.float16), ["l0"],
-                EngineConfig(model_config=ModelConfig(dtype=torch.float16)), "cpu")
+                BuilderConfig(model_config=ModelConfig(dtype=torch.float16)), "cpu")
         except RuntimeError as exc:
             print(exc)
     """)
@@ -113,7 +113,7 @@ def test_problems_on_cpu_name_the_gpu():
 def _builder(block_size=16):
     pytest.importorskip("xformers.ops.fmha.attn_bias",
                         reason="xformers is not installed (make setup installs it)")
-    config = EngineConfig(
+    config = BuilderConfig(
         model_config=ModelConfig(dtype=torch.float16, num_attention_heads=H, num_kv_heads=HKV,
                                  head_size=D),
         cache_config=CacheConfig(block_size=block_size))

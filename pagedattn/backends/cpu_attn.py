@@ -36,7 +36,7 @@ from pagedattn.backend import (
     MultipleOf,
     is_quantized_kv_cache,
 )
-from pagedattn.config import CacheDType, EngineConfig
+from pagedattn.config import CacheDType, BuilderConfig
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
 from pagedattn.ops import kernel_shapes
 from pagedattn.ops.isa import IsaHint
@@ -199,7 +199,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         self,
         kv_cache_spec: AttentionSpec,
         layer_names: list[str],
-        vllm_config: EngineConfig,
+        vllm_config: BuilderConfig,
         device: torch.device,
         use_sdpa_prefill: bool = False,
     ) -> None:

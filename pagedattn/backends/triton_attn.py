@@ -29,7 +29,7 @@ from pagedattn.backend import (
     CommonAttentionMetadata,
     is_quantized_kv_cache,
 )
-from pagedattn.config import CacheDType, DeviceCapability, EngineConfig
+from pagedattn.config import CacheDType, DeviceCapability, BuilderConfig
 from pagedattn.kv_cache_spec import AttentionSpec
 from pagedattn.ops import triton as triton_ops
 
@@ -145,7 +145,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
-                 vllm_config: EngineConfig, device: torch.device) -> None:
+                 vllm_config: BuilderConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
 

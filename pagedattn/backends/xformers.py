@@ -37,7 +37,7 @@ from pagedattn.backend import (
     MultipleOf,
     is_quantized_kv_cache,
 )
-from pagedattn.config import DeviceCapability, EngineConfig
+from pagedattn.config import DeviceCapability, BuilderConfig
 from pagedattn.backends.triton_attn import layer_scale
 from pagedattn.kv_cache_spec import AttentionSpec
 from pagedattn.ops import triton as triton_ops
@@ -264,7 +264,7 @@ class XFormersAttentionMetadataBuilder(AttentionMetadataBuilder[XFormersAttentio
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
-                 vllm_config: EngineConfig, device: torch.device) -> None:
+                 vllm_config: BuilderConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._mask_cls = _paged_decode_mask_cls()  # fails early, with the reason
         self.block_size = kv_cache_spec.block_size

@@ -1,8 +1,10 @@
 """The KV block pool: reference-counted blocks, prefix caching, LRU eviction.
 
 A block holds ``block_size`` consecutive tokens of one request. A *full* block of known
-tokens gets a hash of its token ids chained with the hash of the block before it, so
-equal hashes mean equal whole prefixes. Freed blocks keep their hash and stay findable
+tokens gets a SHA-256 digest of its token ids chained with the digest of the block before
+it, so equal digests mean equal whole prefixes. (Python's 64-bit ``hash`` of the token
+tuple would do in the common case, but a collision would silently serve another prompt's
+KV; a cryptographic digest makes that practically impossible.) Freed blocks keep their hash and stay findable
 until they are handed out again: the free list is ordered least recently freed first,
 so the oldest cached content is evicted first.
 
@@ -12,15 +14,23 @@ next tokens (reusing cached prefix blocks), caches its blocks as they fill, free
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from pagedattn.engine.request import Request
 from pagedattn.paging import cdiv
 
 
-def hash_block(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
-    """Hash of one full block: its tokens and (through the parent) the whole prefix."""
-    return hash((parent_hash, tuple(token_ids)))
+BlockHash = bytes
+
+
+def hash_block(parent_hash: BlockHash | None, token_ids: list[int] | tuple[int, ...]) -> BlockHash:
+    """Digest of one full block: its tokens and, through the parent's digest, the whole
+    prefix. The same tokens give the same digest in every process."""
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockPool:
@@ -32,8 +42,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}
         """hash -> block id, for full blocks whose content is still in the cache."""
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         """ref-count-0 blocks, eviction order first."""
@@ -44,7 +54,7 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free)
 
-    def lookup(self, block_hashes: list[int], max_blocks: int) -> list[int]:
+    def lookup(self, block_hashes: list[BlockHash], max_blocks: int) -> list[int]:
         """Blocks of the longest cached prefix of ``block_hashes`` (at most ``max_blocks``)."""
         hits: list[int] = []
         if self.enable_prefix_caching:
@@ -95,17 +105,12 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self.free[b] = None
 
-    def register(self, block_id: int, block_hash: int) -> None:
+    def register(self, block_id: int, block_hash: BlockHash) -> None:
         """Make a full block findable by its hash (first writer wins on duplicates)."""
         if not self.enable_prefix_caching or block_hash in self.cached:
             return
         self.cached[block_hash] = block_id
         self.block_hash[block_id] = block_hash
-
-    def reset_prefix_cache(self) -> None:
-        for h, b in self.cached.items():
-            self.block_hash[b] = None
-        self.cached.clear()
 
 
 class KVCacheManager:

@@ -5,7 +5,53 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedattn.engine.llm import DTYPES, LINEAR_IMPLS
+from pagedattn.engine.args import DTYPES, KV_CACHE_DTYPES, LINEAR_IMPLS, EngineArgs
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloat16") -> None:
+    """The :class:`EngineArgs` a command line sets (``generate``, ``serve``)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", choices=list(DTYPES), default=default_dtype)
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage: auto (= --dtype) or fp8 (1 byte per element: twice "
+                        "the tokens in the same memory)")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8: calibrate each layer's k/v scales from the first prefill "
+                        "(default: scales of 1.0)")
+    g.add_argument("--linear-impl", choices=LINEAR_IMPLS, default=None,
+                   help="linear layers: packed native kernel (default with the extension) "
+                        "or torch nn.Linear")
+    g.add_argument("--backend", default=None, help="attention backend (default: registry choice)")
+    g.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    g.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory,
+                   help="KV cache pool size, e.g. 512MiB, 2GiB")
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
+    """The :class:`EngineArgs` of parsed ``add_engine_arguments`` options."""
+    fields = dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                  calculate_kv_scales=args.calculate_kv_scales, linear_impl=args.linear_impl,
+                  backend=args.backend, block_size=args.block_size,
+                  kv_cache_memory=args.kv_cache_memory,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  enable_prefix_caching=not args.no_prefix_caching)
+    return EngineArgs(**{**fields, **overrides})
+
+
+def describe_engine(llm) -> str:
+    """One line on what the engine runs: model, dtypes, backend, KV capacity."""
+    a, eng = llm.args, llm.engine
+    kv = (f", KV cache {a.kv_cache_dtype} ({eng.kv_capacity_tokens} tokens in "
+          f"{eng.num_blocks} blocks of {a.block_size})") if eng is not None else ""
+    backend = llm.engine.attention.backend_cls.get_name() if eng is not None else \
+        type(llm.embedder.builder).__name__
+    return (f"model {a.model}, dtype {str(a.dtype).removeprefix('torch.')}, linear "
+            f"{a.linear_impl}, attention {backend}{kv}")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,11 +65,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--backend", default=None, help="attention backend (default: registry choice)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    p.add_argument("--linear-impl", choices=LINEAR_IMPLS, default=None,
-                   help="linear layers: packed native kernel (default with the extension) "
-                        "or torch nn.Linear")
+    p.add_argument("--verbose", action="store_true",
+                   help="print what the engine runs (dtypes, backend, KV capacity) first")
+    add_engine_arguments(p)
 
 
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,8 +97,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(model=args.model, dtype=args.dtype, backend=args.backend,
-              linear_impl=args.linear_impl)
+    llm = LLM(**vars(engine_args(args)))
+    if args.verbose:
+        print(describe_engine(llm))
     progress = len(prompts) > 1
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)

@@ -26,9 +26,6 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
-    def index(self, req_id: str) -> int:
-        return self.req_ids.index(req_id)
-
     def update(self, scheduled: dict[str, Request]) -> None:
         """Make the rows exactly the scheduled requests: drop the others (the last row
         fills each gap), append new ones, then sync the block-table rows."""

@@ -9,55 +9,42 @@ the requests whose last known token was computed.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-from pagedattn.backend import AttentionType, CommonAttentionMetadata
-from pagedattn.config import CacheConfig, EngineConfig, ModelConfig
+from pagedattn.backend import CommonAttentionMetadata
+from pagedattn.engine.attention import AttentionStack
 from pagedattn.engine.input_batch import InputBatch
 from pagedattn.engine.request import Request
 from pagedattn.engine.sampler import sample
 from pagedattn.engine.scheduler import SchedulerOutput
-from pagedattn.kv_cache_spec import AttentionSpec, EncoderOnlyAttentionSpec
 from pagedattn.paging import (
-    PAD_SLOT_ID,
     cdiv,
     new_token_positions,
+    query_start_loc,
     reorder_batch_decodes_first,
     slot_mapping_for_new_tokens,
 )
 
 
-def make_attention(backend_cls, *, num_layers: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, dtype: torch.dtype, block_size: int, max_model_len: int,
-                   sliding_window: int | None, attn_type: str):
-    """``(builder, impls)``: one metadata builder for all layers, one impl per layer."""
-    spec_cls = EncoderOnlyAttentionSpec if attn_type == AttentionType.ENCODER_ONLY else AttentionSpec
-    spec = spec_cls(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim,
-                    dtype=dtype, sliding_window=sliding_window)
-    config = EngineConfig(
-        model_config=ModelConfig(dtype=dtype, num_attention_heads=num_heads,
-                                 num_kv_heads=num_kv_heads, head_size=head_dim,
-                                 max_model_len=max_model_len),
-        cache_config=CacheConfig(block_size=block_size))
-    names = [f"layers.{i}.attn" for i in range(num_layers)]
-    builder = backend_cls.get_builder_cls()(spec, names, config, torch.device("cpu"))
-    impls = [backend_cls.get_impl_cls()(num_heads, head_dim, head_dim ** -0.5, num_kv_heads,
-                                        None, sliding_window, "auto", attn_type=attn_type)
-             for _ in range(num_layers)]
-    return builder, impls
+def request_seed(engine_seed: int, req_id: str) -> int:
+    """The sampling seed of a request that brings none: the same in every process (a
+    digest, not Python's per-process salted ``hash``)."""
+    digest = hashlib.sha256(f"{engine_seed}:{req_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 class ModelRunner:
-    def __init__(self, model, builder, backend_cls, *, num_blocks: int, block_size: int,
-                 max_model_len: int, max_num_seqs: int, kv_dtype: torch.dtype,
-                 seed: int = 0) -> None:
-        cfg = model.config
+    def __init__(self, model, attention: AttentionStack, *, num_blocks: int,
+                 max_model_len: int, max_num_seqs: int, seed: int = 0) -> None:
         self.model = model
-        self.builder = builder
-        self.block_size = block_size
-        shape = backend_cls.get_kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(cfg.num_layers)]
-        self.input_batch = InputBatch(max_num_seqs, cdiv(max_model_len, block_size))
+        self.builder = attention.builder
+        self.block_size = attention.spec.block_size
+        shape = attention.kv_cache_shape(num_blocks)
+        self.kv_caches = [torch.zeros(shape, dtype=attention.spec.dtype)
+                          for _ in range(model.config.num_layers)]
+        self.input_batch = InputBatch(max_num_seqs, cdiv(max_model_len, self.block_size))
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
         self.forward_fn = model.forward
@@ -69,7 +56,7 @@ class ModelRunner:
         gen = self.generators.get(req.req_id)
         if gen is None:
             gen = torch.Generator()
-            gen.manual_seed(sp.seed if sp.seed is not None else hash((self.seed, req.req_id)) & (2**63 - 1))
+            gen.manual_seed(sp.seed if sp.seed is not None else request_seed(self.seed, req.req_id))
             self.generators[req.req_id] = gen
         return gen
 
@@ -95,8 +82,7 @@ class ModelRunner:
         cols = max(1, int(batch.num_blocks[:n].max()))
         block_table = torch.from_numpy(batch.block_table[:n, :cols])
         slot_mapping = slot_mapping_for_new_tokens(block_table, query_lens, seq_lens, self.block_size)
-        qsl = torch.zeros(n + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
+        qsl = query_start_loc(query_lens)
         common = CommonAttentionMetadata(
             query_start_loc=qsl, query_start_loc_cpu=qsl,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
@@ -124,17 +110,3 @@ class ModelRunner:
         tokens = sample(logits, [r.sampling_params for r in sampled_reqs],
                         [self._generator(r) for r in sampled_reqs])
         return {r.req_id: t for r, t in zip(sampled_reqs, tokens)}
-
-
-def encoder_metadata(seq_lens: list[int]) -> CommonAttentionMetadata:
-    """A bidirectional batch of whole sequences with no cache (no slot is written)."""
-    n = len(seq_lens)
-    qsl = torch.zeros(n + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
-    total = int(qsl[-1])
-    return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=n,
-        num_actual_tokens=total, max_query_len=max(seq_lens), max_seq_len=max(seq_lens),
-        block_table_tensor=torch.zeros((n, 1), dtype=torch.int32),
-        slot_mapping=torch.full((total,), PAD_SLOT_ID, dtype=torch.int64), causal=False)

@@ -40,8 +40,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
-    """Hashes of the request's full blocks of known tokens (prefix caching)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Digests (``block_pool.hash_block``) of the request's full blocks of known tokens (prefix caching)."""
     num_cached_blocks: int = 0
     """Leading blocks already registered in the prefix cache."""
     num_prefix_hit_tokens: int = 0
@@ -60,10 +60,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    def token_id(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt_token_ids)

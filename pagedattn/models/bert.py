@@ -43,12 +43,12 @@ class BertConfig:
 
 
 class BertLayer(nn.Module):
-    def __init__(self, cfg: BertConfig, attn_impl, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: BertConfig, attn_impl, attn_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = nn.Linear(h, 3 * h)
-        self.attn = PagedAttention(attn_impl, kv_dtype)
+        self.attn = PagedAttention(attn_impl, attn_dtype)
         self.attn_out = nn.Linear(h, h)
         self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.intermediate = nn.Linear(h, cfg.intermediate_size)
@@ -67,14 +67,14 @@ class BertLayer(nn.Module):
 
 
 class BertModel(nn.Module):
-    def __init__(self, cfg: BertConfig, attn_impls: list, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: BertConfig, attn_impls: list, attn_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.embed_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.layers = nn.ModuleList(BertLayer(cfg, impl, kv_dtype) for impl in attn_impls)
+        self.layers = nn.ModuleList(BertLayer(cfg, impl, attn_dtype) for impl in attn_impls)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)

@@ -124,24 +124,44 @@ class PagedAttention(nn.Module):
     """One layer's attention through a backend impl. It owns no cache: the runner passes
     the layer's KV cache and the step's metadata on every call (no global context).
 
-    The ``_*_scale`` attributes are the unquantised defaults the ``AttentionLayer``
-    protocol promises to impls."""
+    ``attn_dtype``: the dtype of the attention op when it differs from the activations'
+    (bf16 attention under fp32 linear layers): Q/K/V are cast to it, the output back.
 
-    def __init__(self, impl, kv_dtype: torch.dtype | None = None) -> None:
+    The ``_*_scale`` attributes are what the ``AttentionLayer`` protocol promises impls:
+    1.0 unless an fp8 cache's scales are calibrated (:meth:`calibrate_kv_scales`)."""
+
+    def __init__(self, impl, attn_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.impl = impl
-        self.kv_dtype = kv_dtype
-        """Dtype of the cache and the attention op, when it differs from the activations'
-        (bf16 cache under fp32 linear layers): Q/K/V are cast to it, the output back."""
+        self.attn_dtype = attn_dtype
         one = torch.tensor(1.0, dtype=torch.float32)
-        self._q_scale = self._k_scale = self._v_scale = self._prob_scale = one
+        self._q_scale = self._prob_scale = one
+        self._k_scale, self._v_scale = one.clone(), one.clone()
         self._q_scale_float = self._k_scale_float = self._v_scale_float = 1.0
+        self._calibrate_for: torch.dtype | None = None
+
+    def calibrate_kv_scales(self, fp8_dtype: torch.dtype) -> None:
+        """Set ``k_scale`` / ``v_scale`` from the next call that brings keys: the
+        per-tensor ``amax / finfo(fp8_dtype).max``, so that call's K and V use the whole
+        fp8 range; later calls keep them (values beyond saturate)."""
+        self._calibrate_for = fp8_dtype
+
+    def _set_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        fp8_max = torch.finfo(self._calibrate_for).max
+        for name, x in (("k", k), ("v", v)):
+            amax = float(x.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).max())
+            scale = amax / fp8_max if amax > 0 else 1.0
+            setattr(self, f"_{name}_scale", torch.tensor(scale, dtype=torch.float32))
+            setattr(self, f"_{name}_scale_float", scale)
+        self._calibrate_for = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata) -> torch.Tensor:
         act_dtype = q.dtype
-        if self.kv_dtype is not None and act_dtype != self.kv_dtype:
-            q, k, v = q.to(self.kv_dtype), k.to(self.kv_dtype), v.to(self.kv_dtype)
+        if self.attn_dtype is not None and act_dtype != self.attn_dtype:
+            q, k, v = q.to(self.attn_dtype), k.to(self.attn_dtype), v.to(self.attn_dtype)
+        if self._calibrate_for is not None and k.numel():
+            self._set_kv_scales(k, v)
         out = torch.empty_like(q)
         out = self.impl.forward(self, q, k, v, kv_cache, attn_metadata, output=out)
         return out.to(act_dtype)

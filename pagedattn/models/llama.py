@@ -81,7 +81,7 @@ class LlamaConfig:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attn_impl, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, attn_impl, attn_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -89,7 +89,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.attn = PagedAttention(attn_impl, kv_dtype)
+        self.attn = PagedAttention(attn_impl, attn_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -114,12 +114,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attn_impls: list, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, attn_impls: list, attn_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, impl, kv_dtype) for impl in attn_impls)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, impl, attn_dtype) for impl in attn_impls)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import torch
 
 from pagedattn.backend import CommonAttentionMetadata
-from pagedattn.config import CacheConfig, EngineConfig, ModelConfig
+from pagedattn.config import CacheConfig, BuilderConfig, ModelConfig
 from pagedattn.kv_cache_spec import AttentionSpec
 from pagedattn.ops import reference as ref
 from pagedattn.testing import make_paged_batch
 
 
 def engine_config(dtype, block_size, num_heads, num_kv_heads, head_size):
-    return EngineConfig(
+    return BuilderConfig(
         model_config=ModelConfig(dtype=dtype, num_attention_heads=num_heads,
                                  num_kv_heads=num_kv_heads, head_size=head_size),
         cache_config=CacheConfig(block_size=block_size),

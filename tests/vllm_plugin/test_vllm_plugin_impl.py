@@ -241,13 +241,15 @@ def _check_against_reference_and_vllm(case, dtype, cfg, kv_cache_dtype="auto"):
     assert isinstance(metadata, PagedAttnCPUMetadata), "the plugin did not plan this step"
     torch.testing.assert_close(ours.float(), expected.float(), atol=atol, rtol=rtol)
 
-    if kv_cache_dtype != "auto" and not (torch.cpu._is_avx512_supported()
-                                         or torch.cpu._is_amx_tile_supported()):
-        # vLLM's own kernels take fp8 caches only with AVX-512 or AMX: on this CPU only
-        # the plugin serves them, and the reference above is the check.
-        with pytest.raises(NotImplementedError, match="FP8 KV cache"):
-            _run(CPUAttentionBackend, case, cfg, dtype, layer_args, query, new_k, new_v,
-                 history, common)
+    if kv_cache_dtype != "auto":
+        # fp8: the reference above is the check. vLLM's own fp8 kernels (AVX-512/AMX only)
+        # are no yardstick: they sit 0.24-0.56 from the reference where the plugin sits
+        # within 0.01 (docs/vllm_plugin.md, "fp8 KV caches"). Without AVX-512 or AMX they
+        # refuse fp8 caches outright, and only the plugin serves them.
+        if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+            with pytest.raises(NotImplementedError, match="FP8 KV cache"):
+                _run(CPUAttentionBackend, case, cfg, dtype, layer_args, query, new_k, new_v,
+                     history, common)
         return
     theirs, _ = _run(CPUAttentionBackend, case, cfg, dtype, layer_args, query, new_k, new_v,
                      history, common)
@@ -267,8 +269,7 @@ FP8_CASES = [c for c in CASES if c.name in ("decoder", "window_softcap_alibi_sin
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.name)
 def test_plugin_serves_fp8_kv_caches(tmp_path, case, kv_cache_dtype):
     # vLLM allocates fp8 caches as uint8; the plugin reads them as fp8 with the layer's
-    # scales, and must agree with the reference on the quantised values and, where vLLM's
-    # kernels run fp8 (AVX-512/AMX), with vLLM's own fp8 path.
+    # scales, and must agree with the reference on the quantised values.
     cfg = make_vllm_config(tmp_path, "bfloat16", BLOCK_SIZE, cache_dtype=kv_cache_dtype)
     _check_against_reference_and_vllm(case, torch.bfloat16, cfg, kv_cache_dtype)
 

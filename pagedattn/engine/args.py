@@ -1,0 +1,172 @@
+"""``EngineArgs``: everything a user sets to build an engine, validated once, here.
+
+``LLM(**kwargs)``, ``pagedattn generate`` and ``pagedattn serve`` all build one of these;
+nothing downstream re-checks a value it holds. Names say what they hold:
+
+* ``dtype``: the model's activations around attention and its weights;
+* ``kv_cache_dtype``: what the KV cache stores (``"auto"`` = ``dtype``, or fp8);
+  :attr:`EngineArgs.cache_dtype` is the torch dtype of the cache tensors;
+* ``linear_impl`` / ``linear_dtype``: how the linear layers compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from pagedattn.ops import reference
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", *reference.FP8_CACHE_DTYPES)
+LINEAR_IMPLS = ("packed", "torch")
+_UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1}
+
+
+def parse_dtype(dtype: str | torch.dtype, name: str = "dtype") -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
+    """A positive byte count from an int or a string such as ``"512MiB"`` / ``"2GiB"``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        for unit, scale in _UNITS.items():
+            if value.endswith(unit):
+                try:
+                    parsed = int(float(value[: -len(unit)]) * scale)
+                except ValueError:
+                    break
+                if parsed > 0:
+                    return parsed
+                break
+    raise ValueError(f"{name} must be a positive number of bytes or a string like "
+                     f"'512MiB' / '2GiB', got {value!r}")
+
+
+def require_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int ``>= minimum`` (bools are not ints here), else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def native_half_matmul() -> bool:
+    """Whether torch has a fast bf16/fp16 GEMM on this CPU (oneDNN with AVX512-BF16 or
+    AMX); without it, torch's bf16 linear runs ~5-10x slower than fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine's configuration. Every field is checked when the object is made.
+
+    Args:
+        model: a Hugging Face model directory, a ``.gguf`` file, or a built-in name
+            (``"smollm2"``, ``"minilm"``) served from an installed package.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: attention and the weights.
+        kv_cache_dtype: ``"auto"`` (the cache stores ``dtype``) or ``"fp8"`` /
+            ``"fp8_e4m3"`` / ``"fp8_e5m2"``: one byte per element, twice the tokens in the
+            same ``kv_cache_memory``; K and V are stored as ``x / scale``.
+        calculate_kv_scales: fp8 only. ``False``: every layer's ``k_scale`` and
+            ``v_scale`` are 1.0. ``True``: each layer's scales are calibrated from the
+            first prefill step (``amax / fp8 max``, per tensor) and then kept.
+        linear_impl: ``"packed"`` (default with the native extension): linear layers on
+            ``pagedattn.ops.packed_linear``, weights packed in ``dtype``, activations fp32;
+            ``"torch"``: ``nn.Linear`` in ``linear_dtype``.
+        linear_dtype: with ``linear_impl="torch"``, dtype of the weights and activations
+            around attention; ``None`` = ``dtype``, except on CPUs without a native
+            half-precision GEMM, where it is float32.
+        backend: attention backend name (default: the registry's choice).
+        block_size: tokens per KV block.
+        kv_cache_memory: bytes for the KV cache pool (int, or ``"512MiB"``).
+        max_num_batched_tokens: per-step token budget (longer prefills are chunked).
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        max_model_len: longest request (prompt + output); default the model's context.
+        max_num_seqs: most requests running at once.
+        seed: seeds the sampling of requests that bring no seed of their own.
+        skip_tokenizer_init: no tokenizer (prompts must be token-id lists).
+    """
+
+    model: str = "smollm2"
+    dtype: str | torch.dtype = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    linear_impl: str | None = None
+    linear_dtype: str | torch.dtype | None = None
+    backend: str | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str = "512MiB"
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__.__get__(self)  # frozen: normalise in place once, here
+        set_("dtype", parse_dtype(self.dtype))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales=True needs an fp8 kv_cache_dtype "
+                             f"({', '.join(reference.FP8_CACHE_DTYPES)}), got 'auto'")
+        set_("linear_impl", _parse_linear_impl(self.linear_impl))
+        set_("linear_dtype", self._resolve_linear_dtype())
+        set_("kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            require_int(name, getattr(self, name))
+        require_int("seed", self.seed, minimum=0)
+        if self.max_model_len is not None:
+            require_int("max_model_len", self.max_model_len)
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The torch dtype of the KV cache tensors."""
+        return reference.FP8_CACHE_DTYPES.get(self.kv_cache_dtype, self.dtype)
+
+    def _resolve_linear_dtype(self) -> torch.dtype:
+        if self.linear_impl == "packed":
+            if self.linear_dtype is not None and \
+                    parse_dtype(self.linear_dtype, "linear_dtype") != torch.float32:
+                raise ValueError(f"linear_impl='packed' computes in float32 (weights in dtype="
+                                 f"{self.dtype}); linear_dtype={self.linear_dtype!r} needs "
+                                 "linear_impl='torch'")
+            return torch.float32
+        if self.linear_dtype is not None:
+            return parse_dtype(self.linear_dtype, "linear_dtype")
+        if self.dtype != torch.float32 and not native_half_matmul():
+            return torch.float32
+        return self.dtype
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def _parse_linear_impl(linear_impl: str | None) -> str:
+    """``None`` picks ``"packed"`` where the native extension is loaded."""
+    from pagedattn import ops
+
+    if linear_impl is None:
+        return "packed" if ops.native_available() else "torch"
+    if linear_impl not in LINEAR_IMPLS:
+        raise ValueError(f"linear_impl must be one of {', '.join(LINEAR_IMPLS)}, got {linear_impl!r}")
+    if linear_impl == "packed" and not ops.native_available():
+        raise ValueError("linear_impl='packed' needs the native extension pagedattn._C, which "
+                         "is not loaded; use linear_impl='torch'")
+    return linear_impl

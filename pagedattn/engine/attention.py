@@ -1,0 +1,63 @@
+"""The engine's attention stack: the backend, the cache spec, one metadata builder for the
+whole model (planned once per step) and one impl per layer (run per layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn import registry
+from pagedattn.backend import AttentionType
+from pagedattn.config import BuilderConfig, CacheConfig, ModelConfig
+from pagedattn.engine.args import EngineArgs
+from pagedattn.kv_cache_spec import AttentionSpec, EncoderOnlyAttentionSpec
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """What attention needs to know of a model."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None
+    attn_type: str  # AttentionType.DECODER or ENCODER_ONLY
+
+
+@dataclass(frozen=True)
+class AttentionStack:
+    backend_cls: type
+    spec: AttentionSpec
+    builder: object
+    impls: list
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        s = self.spec
+        return self.backend_cls.get_kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads,
+                                                   s.head_size)
+
+
+def build_attention(args: EngineArgs, geo: AttentionGeometry, max_model_len: int) -> AttentionStack:
+    """Select the backend for ``args`` and build the builder and per-layer impls."""
+    selector = registry.default_selector_config(
+        geo.head_dim, args.dtype, block_size=args.block_size, attn_type=geo.attn_type,
+        device="cpu", kv_cache_dtype=args.kv_cache_dtype)
+    backend_cls = registry.select_backend(selector, args.backend)
+    spec_cls = EncoderOnlyAttentionSpec if geo.attn_type == AttentionType.ENCODER_ONLY else AttentionSpec
+    spec = spec_cls(block_size=args.block_size, num_kv_heads=geo.num_kv_heads,
+                    head_size=geo.head_dim, dtype=args.cache_dtype,
+                    sliding_window=geo.sliding_window)
+    builder_config = BuilderConfig(
+        model_config=ModelConfig(dtype=args.dtype, num_attention_heads=geo.num_heads,
+                                 num_kv_heads=geo.num_kv_heads, head_size=geo.head_dim,
+                                 max_model_len=max_model_len),
+        cache_config=CacheConfig(block_size=args.block_size, cache_dtype=args.kv_cache_dtype))
+    names = [f"layers.{i}.attn" for i in range(geo.num_layers)]
+    builder = backend_cls.get_builder_cls()(spec, names, builder_config, torch.device("cpu"))
+    impls = [backend_cls.get_impl_cls()(geo.num_heads, geo.head_dim, geo.head_dim ** -0.5,
+                                        geo.num_kv_heads, None, geo.sliding_window,
+                                        args.kv_cache_dtype, attn_type=geo.attn_type)
+             for _ in range(geo.num_layers)]
+    return AttentionStack(backend_cls, spec, builder, impls)
