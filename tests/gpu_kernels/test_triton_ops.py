@@ -99,6 +99,43 @@ def test_unified_attention_matches_reference(feature, dtype, device):
     torch.testing.assert_close(out.float().cpu(), expected(b, **args), **tolerance(dtype))
 
 
+WINDOW_BATCHES = {
+    "decode": BatchSpec("decode", (70, 93, 51), (1, 1, 1)),
+    "prefill": BatchSpec("prefill", (90, 77), (40, 30)),  # chunks over context
+    "mixed": BatchSpec("mixed", (70, 1, 95, 60), (1, 1, 40, 60)),
+}
+
+
+def _poison_blocks_behind_window(b, window_left: int) -> int:
+    """NaN into every block that lies wholly before what any query of its request can see
+    (as vLLM's sliding-window manager may have handed those blocks to someone else);
+    returns how many blocks were poisoned."""
+    bs = b.key_cache.shape[1]
+    poisoned = 0
+    for r, (seq_len, q_len) in enumerate(zip(b.spec.seq_lens, b.spec.query_lens)):
+        first_visible = max(seq_len - q_len - window_left, 0)
+        for j in range(first_visible // bs):  # blocks whose last key < first_visible
+            block = int(b.block_table[r, j])
+            b.key_cache[block] = math.nan
+            b.value_cache[block] = math.nan
+            poisoned += 1
+    return poisoned
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("batch", WINDOW_BATCHES)
+def test_blocks_behind_the_window_are_never_read(batch, dtype, device):
+    # Windows chosen so the first visible key falls past a block edge inside a 32-key
+    # tile: the tile's leading block lies wholly behind the window.
+    window = (21, -1)
+    b = make_batch(WINDOW_BATCHES[batch], dtype, device, seed=3)
+    want = expected(b, window_size=window)  # from the intact cache
+    assert _poison_blocks_behind_window(b, window[0]) > 0
+    out = run_unified(b, window_size=window)
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.float().cpu(), want, **tolerance(dtype))
+
+
 @pytest.mark.parametrize("layout", [
     dict(num_heads=4, num_kv_heads=1, head_size=32, block_size=16),   # MQA
     dict(num_heads=3, num_kv_heads=3, head_size=24, block_size=32),   # MHA, head < 32

@@ -158,6 +158,9 @@ def unified_attention_kernel(
     key_lo = 0
     if USE_LEFT:
         key_lo = tl.maximum(first_position - window_left, 0)
+    # Keys before key_lo are never loaded, not just masked out of the softmax: a window's
+    # old blocks may already be back in the pool (garbage, even NaN, and 0 * NaN = NaN).
+    key_first = key_lo
     key_lo = (key_lo // BLOCK_N) * BLOCK_N
 
     if USE_ALIBI:
@@ -178,7 +181,7 @@ def unified_attention_kernel(
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt_r
     for start in range(key_lo, key_hi, BLOCK_N):
         key_index = start + tl.arange(0, BLOCK_N)
-        key_ok = key_index < key_hi
+        key_ok = (key_index >= key_first) & (key_index < key_hi)
         block = tl.load(table_row + (key_index // block_size) * stride_bt_c,
                         mask=key_ok, other=0).to(tl.int64)
         offset = (key_index % block_size).to(tl.int64)
