@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagedattn-installed
 NATIVE_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.py' 2>/dev/null)
 
-.PHONY: setup run test test-sanitize fuzz
+.PHONY: setup run test test-all test-triton test-sanitize fuzz
 setup: $(STAMP)
 
 # torch first, from the local CPU wheel; then the package against it, without build
@@ -39,21 +39,35 @@ run: setup
 	$(BIN)/pagedattn generate --chat --max-tokens 48 --prompt "What is the capital of France?"
 	$(BIN)/pagedattn bench --quick
 
+# The fast tier (the README's test command, minutes): the main suite without the long
+# campaigns (-m "not slow"; its fuzz file runs a short slice), the Triton kernels under the
+# interpreter, and the vLLM plugin's unit tests where .venv-vllm exists (make vllm-setup).
 test: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+	$(MAKE) test-triton
+	@if test -x $(VLLM_VENV)/bin/python; then $(MAKE) vllm-test-unit; \
+	else echo "no $(VLLM_VENV): the vLLM plugin's unit tests are skipped (make vllm-setup installs vLLM)"; fi
+
+# Everything (CI runs this): the fast tier with the slow tests included, vLLM installed
+# (best effort) with its whole-engine parity runs, the sanitizer build, a long fuzz.
+test-all: setup
 	$(BIN)/python -m pytest -q
-	# Triton kernels and GPU backends on CPU tensors: the interpreter must be chosen
-	# before Triton is first imported, so they get a process of their own.
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels
+	$(MAKE) test-triton
 	$(MAKE) vllm-test
-	# The extension under ASan + UBSan (its own build dir): op tests and a fuzz slice.
 	$(MAKE) test-sanitize
+	$(MAKE) fuzz FUZZ_EXAMPLES=$(CI_FUZZ_EXAMPLES)
+
+# Triton kernels and GPU backends on CPU tensors: the interpreter must be chosen before
+# Triton is first imported, so they get a process of their own.
+test-triton: setup
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels
 
 # Optional: vLLM 0.32's CPU engine in its own venv, for the vLLM plugin's tests and bench
 # (the base install stays free of vLLM). Best effort: if it cannot be installed, the plugin
 # tests are skipped with the reason.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.pagedattn-vllm-installed
-.PHONY: vllm-setup vllm-test vllm-test-engine
+.PHONY: vllm-setup vllm-test vllm-test-unit vllm-test-engine
 vllm-setup: $(VLLM_STAMP)
 
 # torch first (local CPU wheel), then vLLM with torch pinned; the torchvision/torchaudio/
@@ -69,11 +83,16 @@ $(VLLM_STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 	touch $@
 
 # The plugin's tests: registration, builder + impl against the reference and vLLM's own
-# impl, and vLLM's whole engine with and without the plugin (SmolLM2 + random
-# Mistral/Qwen2 parity: four engine starts per setting, ~3 minutes on 2 cores).
+# impl (unit), then vLLM's whole engine with and without the plugin (SmolLM2 + random
+# Mistral/Qwen2 parity: four engine starts per setting, minutes on 2 cores).
 vllm-test:
 	@if $(MAKE) vllm-setup; then $(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm_plugin; \
 	else echo "vLLM could not be installed into $(VLLM_VENV): the vLLM plugin tests are skipped"; fi
+
+# The unit tests only (no whole-engine runs): part of the fast tier.
+vllm-test-unit: vllm-setup
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin \
+		--ignore=tests/vllm_plugin/test_vllm_plugin_engine.py
 
 # Only the whole-engine parity run.
 vllm-test-engine: vllm-setup
@@ -101,6 +120,7 @@ test-sanitize: setup
 # A long fuzz campaign (test_fuzz.py runs FUZZ_EXAMPLES cases per property); the tally
 # goes to fuzz-report.json.
 FUZZ_EXAMPLES ?= 5000
+CI_FUZZ_EXAMPLES ?= 400
 fuzz: setup
 	PAGEDATTN_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PAGEDATTN_FUZZ_REPORT=fuzz-report.json \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py

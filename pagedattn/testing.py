@@ -156,15 +156,3 @@ def make_paged_batch(
         new_keys=new_keys.reshape(-1, num_kv_heads, head_size),
         new_values=new_values.reshape(-1, num_kv_heads, head_size),
     )
-
-
-def fake_machine_limits(probe_bytes: int, matmul_size: int):
-    """Stand-in for :func:`pagedattn.bench.probes.measure` in tests: fixed, plausible limits
-    of a 2-core machine, returned at once (the real probes take seconds)."""
-    from pagedattn.bench import probes
-
-    return probes.MachineLimits(
-        cpu_model="test cpu", logical_cores=2, threads=torch.get_num_threads(),
-        llc_bytes=1 << 20, dram_read_gbps=10.0,
-        matmul_gflops={"bfloat16": 100.0, "float32": 50.0}, probe_bytes=probe_bytes,
-        matmul_size=matmul_size, measured_at="now")

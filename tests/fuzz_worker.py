@@ -25,7 +25,7 @@ import torch
 
 from pagedattn import ops
 from pagedattn.ops import reference as ref
-from pagedattn.backends.cpu_attn import select_isa_hint
+from pagedattn.backends.cpu_runtime import kernel_variant
 from pagedattn.testing import TOLERANCES, BatchSpec, PagedBatch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,7 +93,7 @@ def build(case: dict):
         key_cache = ref.quantize_fp8(key_cache, k_scale, fp8)
         value_cache = ref.quantize_fp8(value_cache, v_scale, fp8)
     window = tuple(case["window"])
-    hint = select_isa_hint(case["block_size"], dtype)
+    hint = kernel_variant(case["block_size"], dtype)
     meta_args = dict(
         num_reqs=len(case["seq_lens"]), num_heads=h, num_kv_heads=case["num_kv_heads"],
         head_dim=case["head_size"], seq_lens=batch.seq_lens, dtype=dtype,
@@ -491,7 +491,7 @@ def check_output(batch, args) -> dict:
 def run_cache(case: dict) -> dict:
     """reshape_and_cache: valid calls equal the reference; mutated ones raise."""
     batch, _, _ = build(case)
-    hint = select_isa_hint(case["block_size"], batch.key_cache.dtype)
+    hint = kernel_variant(case["block_size"], batch.key_cache.dtype)
     k = case["k"]
     cache_dtype = FP8_CACHE_DTYPES.get(case.get("kv_cache_dtype", "auto"), batch.key_cache.dtype)
     shape = batch.key_cache.shape

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from pagedattn.backends import utils as U
-from pagedattn.backends.utils import (
-    InputBatch,
+from pagedattn.compat import backend_utils as U
+from pagedattn.compat.backend_utils import (
+    ReorderableBatch,
     MetadataInputBuilder,
     ModelRunnerInfo,
     PrefillDecodeMetadata,
-    SchedulerOutput,
+    ScheduledTokens,
     SeqGroupInput,
 )
-from pagedattn.backends.utils import (
+from pagedattn.compat.backend_utils import (
     PAD_SLOT_ID,
     CommonAttentionState,
     CommonMetadataBuilder,
@@ -605,7 +605,7 @@ def test_split_rejects_bad_input():
         split_decodes_and_prefills(bad)
 
 
-class _CountingBatch(InputBatch):
+class _CountingBatch(ReorderableBatch):
     def __post_init__(self):
         super().__post_init__()
         self.swaps = 0
@@ -617,7 +617,7 @@ class _CountingBatch(InputBatch):
 
 def test_reorder_example():
     batch = _CountingBatch(req_ids=["a", "b", "c", "d"], num_computed_tokens_cpu=[0, 10, 0, 20])
-    sched = SchedulerOutput({"a": 5, "b": 1, "c": 3, "d": 1})
+    sched = ScheduledTokens({"a": 5, "b": 1, "c": 3, "d": 1})
     assert reorder_batch_to_split_decodes_and_prefills(batch, sched) is True
     assert batch.req_ids == ["d", "b", "c", "a"]
     assert batch.num_computed_tokens_cpu.tolist() == [20, 10, 0, 0]
@@ -639,7 +639,7 @@ def test_reorder_random_minimal_swaps_then_split():
         n_dec = sum(sched[r] <= threshold for r in ids)
         misplaced = sum(sched[r] > threshold for r in ids[:n_dec])
         changed = reorder_batch_to_split_decodes_and_prefills(
-            batch, SchedulerOutput(sched), decode_threshold=threshold)
+            batch, ScheduledTokens(sched), decode_threshold=threshold)
         assert changed == (misplaced > 0)
         assert batch.swaps == misplaced
         assert sorted(batch.req_ids) == sorted(ids)
@@ -654,16 +654,16 @@ def test_reorder_random_minimal_swaps_then_split():
 
 
 def test_reorder_and_batch_errors():
-    batch = InputBatch(req_ids=["a", "b"])
+    batch = ReorderableBatch(req_ids=["a", "b"])
     with pytest.raises(ValueError, match=r"\['b'\]"):
-        reorder_batch_to_split_decodes_and_prefills(batch, SchedulerOutput({"a": 1}))
+        reorder_batch_to_split_decodes_and_prefills(batch, ScheduledTokens({"a": 1}))
     with pytest.raises(ValueError, match="decode_threshold.*-1"):
-        reorder_batch_to_split_decodes_and_prefills(batch, SchedulerOutput({"a": 1, "b": 1}), -1)
+        reorder_batch_to_split_decodes_and_prefills(batch, ScheduledTokens({"a": 1, "b": 1}), -1)
     with pytest.raises(ValueError, match="swap index j.*\\[0, 2\\), got 2"):
         batch.swap_states(0, 2)
     with pytest.raises(ValueError, match="unique"):
-        InputBatch(req_ids=["a", "a"])
+        ReorderableBatch(req_ids=["a", "a"])
     with pytest.raises(ValueError, match="num_computed_tokens_cpu.*\\(2,\\).*\\(3,\\)"):
-        InputBatch(req_ids=["a", "b"], num_computed_tokens_cpu=[1, 2, 3])
+        ReorderableBatch(req_ids=["a", "b"], num_computed_tokens_cpu=[1, 2, 3])
     with pytest.raises(ValueError, match="num_scheduled_tokens\\['x'\\].*-2"):
-        SchedulerOutput({"x": -2})
+        ScheduledTokens({"x": -2})

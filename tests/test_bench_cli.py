@@ -27,7 +27,7 @@ from pagedattn.bench.scenarios import Scenario, build_inputs, select_scenarios, 
 from pagedattn.bench.schema import SCHEMA, validate, validate_result
 from pagedattn.cli import main
 from pagedattn.ops import reference
-from pagedattn.testing import fake_machine_limits
+from bench_fakes import fake_machine_limits
 
 FAST = "pagedattn,reference,sdpa-contiguous,gather+sdpa"
 
@@ -342,6 +342,7 @@ def test_quick_tiny_run_end_to_end_as_a_command(tmp_path):
     assert validate_result(doc) == [] and doc["options"]["repeat"] == 5
 
 
+@pytest.mark.slow  # a minute of real probes and kernels; a timing bound wants a quiet machine
 def test_real_quick_run_finishes_in_two_minutes(tmp_path):
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pagedattn", "bench", "--quick",

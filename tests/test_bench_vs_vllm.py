@@ -17,7 +17,7 @@ import torch
 
 from pagedattn.bench import probes, runner, vllm_contender
 from pagedattn.bench.contenders import CONTENDERS
-from pagedattn.testing import fake_machine_limits
+from bench_fakes import fake_machine_limits
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vs_vllm.py"
 _spec = importlib.util.spec_from_file_location("bench_vs_vllm", SCRIPT)

@@ -256,13 +256,13 @@ def test_rejected_head_size_raises_from_the_op_naming_the_rule(head):
 
 @pytest.mark.parametrize("block", [2, 24, 528])
 def test_rejected_block_size_raises_from_config_and_hint_naming_the_rule(block):
-    from pagedattn.backends.cpu_attn import select_isa_hint
+    from pagedattn.backends.cpu_runtime import kernel_variant
 
     with pytest.raises(ValueError, match=f"block_size must be one of .* got {block}"):
         CacheConfig(block_size=block)
     with pytest.raises(ValueError, match=f"block_size {block} is not supported; expected 1, 8 "
                                          "or a multiple of 16 up to 512"):
-        select_isa_hint(block, torch.bfloat16)
+        kernel_variant(block, torch.bfloat16)
 
 
 def test_rejected_cache_dtype_raises_from_the_impl():

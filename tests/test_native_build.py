@@ -16,7 +16,7 @@ import torch
 
 from pagedattn import ops
 from pagedattn.ops import reference as ref
-from pagedattn.backends.cpu_attn import select_isa_hint
+from pagedattn.backends.cpu_runtime import kernel_variant
 from pagedattn.ops.isa import CPU_ISA_NAMES, CpuIsa, IsaHint
 from pagedattn.testing import TOLERANCES, BatchSpec, make_paged_batch
 
@@ -121,13 +121,13 @@ def test_env_var_naming_a_bad_isa_raises_on_use(value, pattern):
 def test_select_hint_follows_block_size():
     if ops.cpu_has_amx():
         pytest.skip("AMX CPU: bf16 picks amx")
-    assert select_isa_hint(16, torch.bfloat16) in ("vec16", "neon")
-    assert select_isa_hint(64, torch.float32) in ("vec", "neon")
-    assert select_isa_hint(48, torch.float32) in ("vec16", "neon")
-    assert select_isa_hint(8, torch.float32) in ("vec16", "neon")
+    assert kernel_variant(16, torch.bfloat16) in ("vec16", "neon")
+    assert kernel_variant(64, torch.float32) in ("vec", "neon")
+    assert kernel_variant(48, torch.float32) in ("vec16", "neon")
+    assert kernel_variant(8, torch.float32) in ("vec16", "neon")
     for bad in (2, 24, 528):
         with pytest.raises(ValueError, match=f"block_size {bad}"):
-            select_isa_hint(bad, torch.float32)
+            kernel_variant(bad, torch.float32)
 
 
 @native
@@ -143,12 +143,12 @@ def test_amx_hint_without_amx_and_block_mismatch_are_errors():
             ops.cpu_attn_get_scheduler_metadata(isa="amx", **kwargs)
         with pytest.raises(NotImplementedError):
             ops.cpu_attn_get_scheduler_metadata(isa="amx", **kwargs)
-    if platform.machine() not in ("aarch64", "arm64"):
-        with pytest.raises(ValueError, match="'neon' needs an Arm"):
-            ops.cpu_attn_get_scheduler_metadata(isa="neon", **kwargs)
         with pytest.raises(NotImplementedError, match="AMX"):  # raw op, int code
             torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(
                 1, 4, 2, 64, seq_lens, torch.float32, qsl, True, -1, IsaHint.AMX.code, True)
+    if platform.machine() not in ("aarch64", "arm64"):
+        with pytest.raises(ValueError, match="'neon' needs an Arm"):
+            ops.cpu_attn_get_scheduler_metadata(isa="neon", **kwargs)
     # 'vec' needs block_size % 32 == 0: a block-16 cache is refused by the attention op.
     batch = _batch(BatchSpec("one", (5,), (1,)), 4, 2, 64, 16, torch.float32)
     meta = ops.cpu_attn_get_scheduler_metadata(isa="vec", **kwargs)

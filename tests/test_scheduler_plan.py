@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedattn import ops
-from pagedattn.backends.cpu_attn import select_isa_hint
+from pagedattn.backends.cpu_runtime import kernel_variant
 from pagedattn.testing import BatchSpec, make_paged_batch
 
 from test_cpu_ops import (LONG_SPECS, assert_matches_reference, case_inputs, feature_args,  # noqa: F401
@@ -23,7 +23,7 @@ def metadata_for(batch, *, split=True, window=-1, seq_lens=None, query_start_loc
         len(batch.spec.seq_lens), num_heads, batch.key_cache.shape[1], head_size,
         batch.seq_lens if seq_lens is None else seq_lens, batch.query.dtype,
         batch.query_start_loc if query_start_loc is None else query_start_loc, True, window,
-        select_isa_hint(batch.key_cache.shape[2], batch.query.dtype), split)
+        kernel_variant(batch.key_cache.shape[2], batch.query.dtype), split)
 
 
 def attend(batch, meta, args):

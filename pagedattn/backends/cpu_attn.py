@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from pagedattn import ops, paging
+from pagedattn import paging
 from pagedattn.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -36,44 +36,12 @@ from pagedattn.backend import (
     MultipleOf,
     is_quantized_kv_cache,
 )
-from pagedattn.config import CacheDType, BuilderConfig
+from pagedattn.backends import cpu_runtime
+from pagedattn.config import BuilderConfig, CacheDType
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
 from pagedattn.ops import kernel_shapes
 from pagedattn.ops.isa import IsaHint
 from pagedattn.ops.reference import FP8_CACHE_DTYPES, visibility_mask
-
-
-def select_isa_hint(block_size: int, dtype: torch.dtype) -> IsaHint:
-    """The kernel variant this backend runs a cache of ``block_size`` and ``dtype`` with:
-    ``amx`` (bf16, block % 32 == 0, CPU with AMX), ``neon`` on Arm, else ``vec``
-    (block % 32 == 0) or ``vec16`` (the rest: multiples of 16, and 1 and 8, which every
-    hint serves). ValueError for block sizes the kernels reject (:mod:`kernel_shapes`)."""
-    kernel_shapes.check_block_size(block_size)
-    if ops.on_arm():
-        return IsaHint.NEON
-    if dtype == torch.bfloat16 and block_size % 32 == 0 and ops.cpu_has_amx():
-        return IsaHint.AMX
-    return IsaHint.VEC if block_size % 32 == 0 else IsaHint.VEC16
-
-
-def plan_step(builder, isa: IsaHint, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-              causal: bool) -> torch.Tensor:
-    """The step's work partition (:func:`ops.cpu_attn_get_scheduler_metadata`, KV splits
-    on) for a builder's geometry: its ``num_heads``, ``num_kv_heads``, ``head_dim``,
-    ``dtype`` and ``window_size``. Shared by this backend and the vLLM plugin's builder."""
-    return ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.numel(),
-        num_heads=builder.num_heads,
-        num_kv_heads=builder.num_kv_heads,
-        head_dim=builder.head_dim,
-        seq_lens=seq_lens,
-        dtype=builder.dtype,
-        query_start_loc=query_start_loc,
-        causal=causal,
-        sliding_window_size=builder.window_size,
-        isa=isa,
-        enable_kv_split=True,
-    )
 
 
 class CPUAttentionBackend(AttentionBackend):
@@ -150,7 +118,8 @@ class CPUAttentionMetadata:
     """
 
     isa: IsaHint
-    """Kernel variant passed to the native ops, chosen once by :func:`select_isa_hint`."""
+    """Kernel variant passed to the native ops, chosen once by
+    :func:`cpu_runtime.kernel_variant`."""
     num_actual_tokens: int
     """Real query tokens of the step (rows past it are padding)."""
     query_start_loc: torch.Tensor
@@ -222,7 +191,9 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
                 f"num_heads ({self.num_heads}) must be divisible by the cache's "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
-        self.isa = select_isa_hint(self.block_size, self.dtype)
+        self.isa = cpu_runtime.kernel_variant(self.block_size, self.dtype)
+        self.plan_geometry = cpu_runtime.PlanGeometry(self.num_heads, self.num_kv_heads,
+                                                      self.head_dim, self.dtype, self.window_size)
 
     def build(
         self,
@@ -241,9 +212,8 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
                 raise ValueError("cross attention needs common_attn_metadata.encoder_seq_lens")
             seq_lens = cm.encoder_seq_lens[:num_reqs].cpu().to(torch.int32)
             causal = False
-            query_start_loc, seq_lens, block_table = _split_queries_longer_than_keys(
-                query_start_loc, seq_lens, block_table
-            )
+            query_start_loc, seq_lens, block_table = cpu_runtime.split_queries_longer_than_keys(
+                query_start_loc, seq_lens, block_table)
 
         num_decode_tokens, sdpa_start_loc, use_sdpa = 0, None, False
         if self.use_sdpa_prefill and causal and not self.is_cross_attention:
@@ -263,7 +233,8 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         if sdpa_start_loc is None:
             sdpa_start_loc = query_start_loc
 
-        scheduler_metadata = plan_step(self, self.isa, query_start_loc, seq_lens, causal)
+        scheduler_metadata = cpu_runtime.plan_step(self.plan_geometry, self.isa, query_start_loc,
+                                                   seq_lens, causal)
         return CPUAttentionMetadata(
             isa=self.isa,
             num_actual_tokens=cm.num_actual_tokens,
@@ -277,33 +248,6 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             num_decode_tokens=num_decode_tokens,
             sdpa_start_loc=sdpa_start_loc,
         )
-
-
-def _split_queries_longer_than_keys(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cross attention may have more decoder queries than encoder keys, which the kernel
-    rejects (``seq_len < query_len``). Without a causal mask or window a query's position
-    does not matter, so such a request is cut into pieces of at most ``seq_len`` queries,
-    each reading the same blocks."""
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    kv_lens = seq_lens.tolist()
-    if all(q <= s for q, s in zip(query_lens, kv_lens)):
-        return query_start_loc, seq_lens, block_table
-    starts, lens, rows = [0], [], []
-    for r, (q, s) in enumerate(zip(query_lens, kv_lens)):
-        if s == 0 and q > 0:
-            raise ValueError(f"cross attention request {r} has {q} queries but no encoder keys")
-        pieces = [q] if q <= s else [s] * (q // s) + ([q % s] if q % s else [])
-        for piece in pieces:
-            starts.append(starts[-1] + piece)
-            lens.append(s)
-            rows.append(r)
-    return (
-        torch.tensor(starts, dtype=torch.int32),
-        torch.tensor(lens, dtype=torch.int32),
-        block_table[torch.tensor(rows, dtype=torch.long)],
-    )
 
 
 # Dense SDPA biases of a step, keyed by its metadata: built on first use, shared by the
@@ -348,7 +292,7 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.fp8_cache_dtype = FP8_CACHE_DTYPES.get(str(kv_cache_dtype))
+        self.fp8_cache_dtype = cpu_runtime.fp8_cache_dtype(kv_cache_dtype)
         """``torch.float8_e4m3fn`` / ``float8_e5m2`` for an fp8 cache, else ``None``."""
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.alibi_slopes = (
@@ -359,14 +303,7 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
             raise ValueError(
                 f"alibi_slopes must have num_heads={num_heads} entries, got {self.alibi_slopes.numel()}"
             )
-        # Window tuple (left, right): decoders look back only; encoder-only layers look
-        # both ways.
-        if sliding_window is None:
-            self.sliding_window = (-1, -1)
-        elif self.attn_type == AttentionType.ENCODER_ONLY:
-            self.sliding_window = (sliding_window - 1, sliding_window - 1)
-        else:
-            self.sliding_window = (sliding_window - 1, 0)
+        self.sliding_window = cpu_runtime.window_pair(sliding_window, self.attn_type)
         if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
             raise ValueError(
                 f"sinks must have shape [num_heads={num_heads}], got {tuple(sinks.shape)}"
@@ -437,34 +374,21 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         return output
 
     # The impl's own arguments were validated at construction and the metadata's by its
-    # builder, so per layer it calls the native ops directly; the public wrappers in
-    # pagedattn.ops re-validate every argument (~30 us per layer of Python at batch 1).
+    # builder: per layer, the runtime calls the native ops without re-checking them.
 
     def _write_cache(self, key, value, key_cache, value_cache, md: CPUAttentionMetadata,
                      k_scale: float, v_scale: float) -> None:
-        if ops.native_available():
-            torch.ops.pagedattn.cpu_attn_reshape_and_cache(
-                key, value, key_cache, value_cache, md.slot_mapping, md.isa.code, k_scale, v_scale)
-        else:
-            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping,
-                                           md.isa, k_scale=k_scale, v_scale=v_scale)
+        cpu_runtime.write_cache(key, value, key_cache, value_cache, md.slot_mapping, md.isa,
+                                k_scale, v_scale)
 
     def _attend(self, query, key_cache, value_cache, output, md: CPUAttentionMetadata,
                 k_scale: float, v_scale: float) -> None:
-        if ops.native_available():
-            left, right = self.sliding_window
-            torch.ops.pagedattn.cpu_attention_with_kv_cache(
-                query, key_cache, value_cache, output, md.query_start_loc, md.seq_lens,
-                self.scale, md.causal, self.alibi_slopes, left, right, md.block_table,
-                self.logits_soft_cap, md.scheduler_metadata, self.sinks, k_scale, v_scale)
-            return
-        ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=key_cache, value_cache=value_cache, output=output,
-            query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, scale=self.scale,
-            causal=md.causal, alibi_slopes=self.alibi_slopes,
-            sliding_window=self.sliding_window, block_table=md.block_table,
-            softcap=self.logits_soft_cap, scheduler_metadata=md.scheduler_metadata,
-            s_aux=self.sinks, k_scale=k_scale, v_scale=v_scale)
+        cpu_runtime.attend(
+            query, key_cache, value_cache, output, query_start_loc=md.query_start_loc,
+            seq_lens=md.seq_lens, block_table=md.block_table,
+            scheduler_metadata=md.scheduler_metadata, scale=self.scale, causal=md.causal,
+            window=self.sliding_window, alibi_slopes=self.alibi_slopes,
+            softcap=self.logits_soft_cap, sinks=self.sinks, k_scale=k_scale, v_scale=v_scale)
 
     def _kv_scales(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> tuple[float, float]:
         """The layer's per-tensor fp8 scales (1.0 for a model-dtype cache); checks that the

@@ -249,9 +249,9 @@ class PagedattnContender(Contender):
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
         ops = self._ops()
         s = inputs.scenario
-        from pagedattn.backends.cpu_attn import select_isa_hint
+        from pagedattn.backends.cpu_runtime import kernel_variant
 
-        isa = select_isa_hint(s.block_size, s.torch_dtype)
+        isa = kernel_variant(s.block_size, s.torch_dtype)
         note = "" if ops.native_available() else "native extension not loaded: reference fallback"
         kc, vc = inputs.key_cache, inputs.value_cache
         if s.kind == "reshape_and_cache":

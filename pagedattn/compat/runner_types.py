@@ -3,7 +3,7 @@
 
 vLLM drives those helpers with objects from its model runner and scheduler
 (``ModelInputForGPUBuilder.InterDataForSeqGroup``, ``ModelRunnerBase``, the v1
-``InputBatch`` and ``SchedulerOutput``). Those objects carry far more than attention
+``ReorderableBatch`` and ``ScheduledTokens``). Those objects carry far more than attention
 needs, so this module defines small validated dataclasses that carry exactly the fields
 the helpers read; an engine fills them (or duck-types them) and the helpers stay pure.
 
@@ -13,7 +13,7 @@ Two families live here:
   ``CommonAttentionState``: :class:`SeqGroupInput`, :class:`MetadataInputBuilder`,
   :class:`ModelRunnerInfo`, :class:`GraphCaptureBackend` and the metadata they produce,
   :class:`PrefillDecodeMetadata` (prefills first, then decodes);
-* the v1 batch-reorder path: :class:`InputBatch` and :class:`SchedulerOutput`.
+* the v1 batch-reorder path: :class:`ReorderableBatch` and :class:`ScheduledTokens`.
 """
 
 from __future__ import annotations
@@ -361,7 +361,7 @@ class PrefillDecodeMetadata:
 
 
 @dataclass
-class SchedulerOutput:
+class ScheduledTokens:
     """``num_scheduled_tokens``: ``{req_id: tokens scheduled this step}`` (>= 0)."""
 
     num_scheduled_tokens: dict[str, int]
@@ -372,7 +372,7 @@ class SchedulerOutput:
 
 
 @dataclass
-class InputBatch:
+class ReorderableBatch:
     """The persistent per-request state of the running batch, one row per request.
 
     Attributes:

@@ -14,7 +14,7 @@ Instruction sets: the native kernels pick the best ISA of the CPU at run time
 (read once) forces a lower one; :func:`use_cpu_isa` switches in-process (tests).
 The ``isa`` arguments take vLLM's kernel-variant hints (``vec``, ``vec16``, ``neon``,
 ``amx``) as strings or :class:`IsaHint` members; which one a cache gets is the backend's
-policy (:func:`pagedattn.backends.cpu_attn.select_isa_hint`).
+policy (:func:`pagedattn.backends.cpu_runtime.kernel_variant`).
 
 Without the native extension every op falls back to :mod:`pagedattn.ops.reference`
 (one warning).

@@ -3,7 +3,7 @@
 vLLM loads every entry point of the ``vllm.general_plugins`` group in each of its
 processes; ours is ``pagedattn = pagedattn.integrations.vllm:register``. :func:`register`
 points vLLM's ``CPU_ATTN`` backend at :class:`~pagedattn.integrations.vllm.backend.
-PagedAttnCPUBackend`, whose impl writes and reads the KV cache with ``pagedattn.ops``.
+PagedAttnCPUBackend`, whose impl writes and reads the KV cache through :mod:`pagedattn.backends.cpu_runtime`.
 Everything else in vLLM (scheduler, model runner, sampler, server) is unchanged.
 
 * ``PAGEDATTN_VLLM=0`` switches the plugin off (vLLM then runs its own kernels);

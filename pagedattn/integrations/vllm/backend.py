@@ -8,9 +8,9 @@ answer, and whatever pagedattn cannot serve is handed back to the parent classes
 What changes is the kernel path of the layers pagedattn serves:
 
 * cache writes (``do_kv_cache_update``, and the encoder scratch) go through
-  :func:`pagedattn.ops.cpu_attn_reshape_and_cache`;
-* the builder plans each step with :func:`pagedattn.ops.cpu_attn_get_scheduler_metadata`;
-* ``forward`` runs :func:`pagedattn.ops.cpu_attention_with_kv_cache`.
+  :func:`pagedattn.backends.cpu_runtime.write_cache`;
+* the builder plans each step with :func:`pagedattn.backends.cpu_runtime.plan_step`;
+* ``forward`` runs :func:`pagedattn.backends.cpu_runtime.attend`.
 
 KV cache: vLLM allocates one tensor per layer, ``[num_blocks, num_kv_heads, block_size,
 2 * head_size]``. Read as ``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` each
@@ -51,21 +51,18 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec
 
-from pagedattn import ops, paging
+from pagedattn import paging
+from pagedattn.backends import cpu_runtime
 from pagedattn.backends.cpu_attn import CPUAttentionBackend as _PagedAttnCPU
-from pagedattn.backends.cpu_attn import (
-    _split_queries_longer_than_keys,
-    plan_step,
-    select_isa_hint,
-)
 from pagedattn.integrations.vllm import logger
+from pagedattn.ops.isa import IsaHint
+from pagedattn.ops.reference import FP8_CACHE_DTYPES
 
 _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
-# vLLM's fp8 cache dtype names (its "fp8" is e4m3) -> the torch dtype pagedattn reads.
-FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                       "fp8_e5m2": torch.float8_e5m2}
+# vLLM's fp8 cache dtype names are pagedattn's (its "fp8" is e4m3 too).
+FP8_KV_CACHE_DTYPES = FP8_CACHE_DTYPES
 
 
 def split_kv_cache(kv_cache: torch.Tensor, kv_cache_dtype: str = "auto"
@@ -91,20 +88,11 @@ def split_kv_cache(kv_cache: torch.Tensor, kv_cache_dtype: str = "auto"
     return rows[:, :, :block_size], rows[:, :, block_size:]
 
 
-def window_pair(sliding_window: int, attn_type: str) -> tuple[int, int]:
-    """vLLM's window int (``left + 1`` keys, ``-1`` = none) as pagedattn's ``(left, right)``.
-
-    Decoders (and cross attention) look back ``window - 1`` keys; the causal mask (or, for
-    cross attention, the absence of one) decides the right side. Bidirectional encoder
-    layers see ``window - 1`` keys on each side, as vLLM's kernel does for non-causal
-    calls.
-    """
-    if sliding_window is None or sliding_window < 0:
-        return (-1, -1)
-    if sliding_window == 0:
-        raise ValueError(f"sliding_window must be a positive int, -1 or None, got {sliding_window}")
-    left = sliding_window - 1
-    return (left, left) if attn_type in _ENCODER_TYPES else (left, 0)
+def window_pair(sliding_window: int | None, attn_type: str) -> tuple[int, int]:
+    """vLLM's window int (``left + 1`` keys, ``-1`` = none) as the kernels' ``(left,
+    right)``: :func:`pagedattn.backends.cpu_runtime.window_pair` (vLLM's attention types
+    are the same strings)."""
+    return cpu_runtime.window_pair(sliding_window, str(attn_type))
 
 
 def unserved_kv_cache_dtype(kv_cache_dtype: str) -> str | None:
@@ -143,7 +131,7 @@ class PagedAttnCPUMetadata:
     slot_mapping: torch.Tensor
     """int64 ``[num_tokens]``: where this step's keys/values go (``-1`` = skip)."""
     scheduler_metadata: torch.Tensor
-    """Opaque work partition from :func:`pagedattn.ops.cpu_attn_get_scheduler_metadata`."""
+    """Opaque work partition from :func:`pagedattn.backends.cpu_runtime.plan_step`."""
     causal: bool = True
     encoder_cache: torch.Tensor | None = None
     """Encoder / encoder-only layers: a scratch cache ``[2, num_blocks, num_kv_heads,
@@ -197,10 +185,10 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
         if self.served_by_pagedattn is None:
             # Not in any builder's group (e.g. a layer reading another layer's cache):
             # decide as its group would, from the layer and its cache alone.
-            served = not self.unserved_reasons() and ops.native_available()
+            served = not self.unserved_reasons() and cpu_runtime.native_available()
             if served:
                 try:
-                    self.pagedattn_isa = select_isa_hint(block_size, self._model_dtype)
+                    self.pagedattn_isa = cpu_runtime.kernel_variant(block_size, self._model_dtype)
                 except ValueError:
                     served = False
             self.served_by_pagedattn = served
@@ -246,28 +234,19 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
                     "KV-cache group is not an EncoderOnlyAttentionSpec group"
                 )
             key_cache, value_cache = attn_metadata.encoder_cache.unbind(0)
-            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
-                                           attn_metadata.slot_mapping, attn_metadata.isa)
+            cpu_runtime.write_cache(key, value, key_cache, value_cache,
+                                    attn_metadata.slot_mapping, IsaHint(attn_metadata.isa))
         else:
             key_cache, value_cache = split_kv_cache(kv_cache, self.kv_cache_dtype)
-        ops.cpu_attention_with_kv_cache(
-            query=query[:num_tokens],
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=output[:num_tokens],
-            query_start_loc=attn_metadata.query_start_loc,
-            seq_lens=attn_metadata.seq_lens,
-            scale=self.scale,
-            causal=attn_metadata.causal,
-            alibi_slopes=self.alibi_slopes,
-            sliding_window=self.pagedattn_window,
+        cpu_runtime.attend(
+            query[:num_tokens], key_cache, value_cache, output[:num_tokens],
+            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
             block_table=attn_metadata.block_table,
-            softcap=self.logits_soft_cap,
-            scheduler_metadata=attn_metadata.scheduler_metadata,
-            s_aux=self._kernel_sinks(),
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-        )
+            scheduler_metadata=attn_metadata.scheduler_metadata, scale=float(self.scale),
+            causal=attn_metadata.causal, window=self.pagedattn_window,
+            alibi_slopes=self.alibi_slopes, softcap=float(self.logits_soft_cap or 0.0),
+            sinks=self._kernel_sinks(), k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float)
         return output
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
@@ -280,9 +259,9 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
         if self.attn_type in _ENCODER_TYPES:
             return
         key_cache, value_cache = split_kv_cache(kv_cache, self.kv_cache_dtype)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                       self.pagedattn_isa, k_scale=layer._k_scale_float,
-                                       v_scale=layer._v_scale_float)
+        cpu_runtime.write_cache(key, value, key_cache, value_cache, slot_mapping,
+                                IsaHint(self.pagedattn_isa), layer._k_scale_float,
+                                layer._v_scale_float)
 
 
 class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -310,7 +289,7 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 f"{self._vllm_refusal}; pagedattn cannot serve this KV-cache group either: "
                 f"{'; '.join(reasons)}") from self._vllm_refusal
         self.pagedattn_isa = (
-            select_isa_hint(self.block_size, self.dtype) if self.served_by_pagedattn
+            cpu_runtime.kernel_variant(self.block_size, self.dtype) if self.served_by_pagedattn
             else None
         )
         for impl in impls.values():
@@ -336,7 +315,7 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def unserved_reasons(self, impls: dict) -> list[str]:
         """Why pagedattn cannot serve this group (empty: it can)."""
         reasons: list[str] = []
-        if not ops.native_available():
+        if not cpu_runtime.native_available():
             reasons.append("pagedattn's native CPU extension is not built")
         if cache_reason := unserved_kv_cache_dtype(self.kv_cache_dtype):
             reasons.append(cache_reason)
@@ -347,7 +326,7 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             reasons.append(f"dtype {self.dtype} (pagedattn's kernels take {kernel_dtypes()})")
         else:
             try:
-                select_isa_hint(self.block_size, self.dtype)
+                cpu_runtime.kernel_variant(self.block_size, self.dtype)
             except ValueError as exc:
                 reasons.append(str(exc))
         layers_by_reason: dict[str, list[str]] = {}
@@ -392,13 +371,15 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             # Decoder queries against the cached encoder keys: no causal mask, and a
             # request may have more queries than keys, which the kernel takes in pieces.
             causal = False
-            query_start_loc, seq_lens, block_table = _split_queries_longer_than_keys(
+            query_start_loc, seq_lens, block_table = cpu_runtime.split_queries_longer_than_keys(
                 query_start_loc, seq_lens, block_table)
         elif isinstance(self.kv_cache_spec, EncoderOnlyAttentionSpec):
             block_table, slot_mapping, encoder_cache = self._plan_encoder_scratch(
                 query_start_loc, seq_lens)
-        scheduler_metadata = plan_step(self, self.pagedattn_isa, query_start_loc, seq_lens,
-                                       causal)
+        geometry = cpu_runtime.PlanGeometry(self.num_heads, self.num_kv_heads, self.head_dim,
+                                            self.dtype, self.window_size)
+        scheduler_metadata = cpu_runtime.plan_step(geometry, IsaHint(self.pagedattn_isa),
+                                                   query_start_loc, seq_lens, causal)
         return PagedAttnCPUMetadata(
             isa=self.pagedattn_isa,
             num_actual_tokens=cm.num_actual_tokens,

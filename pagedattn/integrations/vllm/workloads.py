@@ -333,16 +333,16 @@ def last_json_line(stdout: str):
 
 def _count_kernel_calls() -> dict[str, int]:
     """Count pagedattn attention calls in this process (proof of which kernels ran)."""
-    from pagedattn import ops
+    from pagedattn.backends import cpu_runtime
 
     counts = {"pagedattn_attention_calls": 0}
-    original = ops.cpu_attention_with_kv_cache
+    original = cpu_runtime.attend
 
     def counted(*args, **kwargs):
         counts["pagedattn_attention_calls"] += 1
         return original(*args, **kwargs)
 
-    ops.cpu_attention_with_kv_cache = counted
+    cpu_runtime.attend = counted
     return counts
 
 

@@ -1,0 +1,155 @@
+"""The CPU-attention runtime: the one path from a backend to the native attention ops.
+
+CPU_ATTN (and through it the engine) and the vLLM plugin both call these functions; no
+other module calls ``torch.ops.pagedattn``'s attention ops. The runtime owns the choices
+every caller would otherwise re-derive:
+
+* the kernel variant for a cache (:func:`kernel_variant`);
+* the window pair of a layer (:func:`window_pair`) and its fp8 cache dtype
+  (:func:`fp8_cache_dtype`);
+* the per-step plan (:func:`plan_step`) and the cross-attention query split
+  (:func:`split_queries_longer_than_keys`);
+* the per-layer calls (:func:`write_cache`, :func:`attend`). Callers validate their
+  arguments once (impl construction, builder) and these call the native ops directly:
+  the public wrappers in :mod:`pagedattn.ops` re-validate every argument, which cost
+  ~30 us of Python per layer at batch 1. Without the extension they fall back to those
+  wrappers (and so to the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn import ops
+from pagedattn.backend import AttentionType, is_quantized_kv_cache
+from pagedattn.ops import kernel_shapes
+from pagedattn.ops.isa import IsaHint
+from pagedattn.ops.reference import FP8_CACHE_DTYPES
+
+_BIDIRECTIONAL = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+
+native_available = ops.native_available
+"""Whether the native kernels are loaded (else every call runs the reference)."""
+
+
+def kernel_variant(block_size: int, dtype: torch.dtype) -> IsaHint:
+    """The kernel variant for a cache of ``block_size`` and ``dtype``: ``amx`` (bf16,
+    block % 32 == 0, CPU with AMX), ``neon`` on Arm, else ``vec`` (block % 32 == 0) or
+    ``vec16`` (the rest). ValueError for block sizes the kernels reject."""
+    kernel_shapes.check_block_size(block_size)
+    if ops.on_arm():
+        return IsaHint.NEON
+    if dtype == torch.bfloat16 and block_size % 32 == 0 and ops.cpu_has_amx():
+        return IsaHint.AMX
+    return IsaHint.VEC if block_size % 32 == 0 else IsaHint.VEC16
+
+
+def window_pair(sliding_window: int | None, attn_type: str) -> tuple[int, int]:
+    """A layer's window (``sliding_window`` keys including its own, ``None`` or ``-1`` =
+    none) as the kernels' ``(left, right)``: decoders and cross attention look back
+    ``window - 1`` keys (causality, or its absence, decides the right side);
+    bidirectional encoder layers see ``window - 1`` keys on each side."""
+    if sliding_window is None or sliding_window == -1:
+        return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
+            or sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive int, -1 or None, got {sliding_window!r}")
+    left = sliding_window - 1
+    return (left, left) if AttentionType.parse(attn_type) in _BIDIRECTIONAL else (left, 0)
+
+
+def fp8_cache_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+    """The fp8 torch dtype of an fp8 ``kv_cache_dtype`` (``fp8`` = ``fp8_e4m3``), ``None``
+    for a model-dtype cache; NotImplementedError for other quantized caches."""
+    name = str(kv_cache_dtype)
+    if name in FP8_CACHE_DTYPES:
+        return FP8_CACHE_DTYPES[name]
+    if is_quantized_kv_cache(name):
+        raise NotImplementedError(
+            f"kv_cache_dtype {name!r} is not supported by the CPU kernels; expected 'auto' or "
+            f"one of {', '.join(FP8_CACHE_DTYPES)}")
+    return None
+
+
+@dataclass(frozen=True)
+class PlanGeometry:
+    """What the step plan needs of a group of layers."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    window_size: int  # -1 = none
+
+
+def plan_step(geometry: PlanGeometry, variant: IsaHint, query_start_loc: torch.Tensor,
+              seq_lens: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The step's work partition (KV splits on), computed once and read by every layer."""
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=seq_lens.numel(), num_heads=geometry.num_heads,
+        num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, seq_lens=seq_lens,
+        dtype=geometry.dtype, query_start_loc=query_start_loc, causal=causal,
+        sliding_window_size=geometry.window_size, isa=variant, enable_kv_split=True)
+
+
+def split_queries_longer_than_keys(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross attention may have more decoder queries than encoder keys, which the kernel
+    rejects (``seq_len < query_len``). Without a causal mask or window a query's position
+    does not matter, so such a request is cut into pieces of at most ``seq_len`` queries,
+    each reading the same blocks."""
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    kv_lens = seq_lens.tolist()
+    if all(q <= s for q, s in zip(query_lens, kv_lens)):
+        return query_start_loc, seq_lens, block_table
+    starts, lens, rows = [0], [], []
+    for r, (q, s) in enumerate(zip(query_lens, kv_lens)):
+        if s == 0 and q > 0:
+            raise ValueError(f"cross attention request {r} has {q} queries but no encoder keys")
+        pieces = [q] if q <= s else [s] * (q // s) + ([q % s] if q % s else [])
+        for piece in pieces:
+            starts.append(starts[-1] + piece)
+            lens.append(s)
+            rows.append(r)
+    return (
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        block_table[torch.tensor(rows, dtype=torch.long)],
+    )
+
+
+def write_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, slot_mapping: torch.Tensor, variant: IsaHint,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store this step's keys and values at their slots (fp8 caches: ``x / scale``)."""
+    if ops.native_available():
+        torch.ops.pagedattn.cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, variant.code, k_scale, v_scale)
+    else:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                       variant, k_scale=k_scale, v_scale=v_scale)
+
+
+def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+           output: torch.Tensor, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+           block_table: torch.Tensor, scheduler_metadata: torch.Tensor | None, scale: float,
+           causal: bool, window: tuple[int, int], alibi_slopes: torch.Tensor | None,
+           softcap: float, sinks: torch.Tensor | None, k_scale: float = 1.0,
+           v_scale: float = 1.0) -> None:
+    """Paged attention of the step's queries over the cache, written into ``output``."""
+    if ops.native_available():
+        left, right = window
+        torch.ops.pagedattn.cpu_attention_with_kv_cache(
+            query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
+            alibi_slopes, left, right, block_table, softcap, scheduler_metadata, sinks,
+            k_scale, v_scale)
+        return
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=output,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale, causal=causal,
+        alibi_slopes=alibi_slopes, sliding_window=window, block_table=block_table,
+        softcap=softcap, scheduler_metadata=scheduler_metadata, s_aux=sinks,
+        k_scale=k_scale, v_scale=v_scale)
