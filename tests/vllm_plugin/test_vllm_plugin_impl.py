@@ -210,10 +210,11 @@ def _as_cached(x: torch.Tensor, scale: float, kv_cache_dtype: str) -> torch.Tens
     return reference.dequantize_fp8(reference.quantize_fp8(x, scale, fp8), scale)
 
 
-def _check_against_reference_and_vllm(case, dtype, cfg, kv_cache_dtype="auto"):
+def plugin_reference_and_vllm(case, dtype, cfg, kv_cache_dtype="auto"):
+    """``(ours, expected, theirs)``: the plugin's output, the reference's (on the values
+    the cache holds) and a thunk running vLLM's own impl on the same step."""
     gen = torch.Generator().manual_seed(0)
     layer_args = _layer_args(case, dtype, gen, kv_cache_dtype)
-    atol, rtol = TOLERANCES[dtype]
 
     if case.attn_type == AttentionType.ENCODER_DECODER:
         query, enc_k, enc_v, block_table, common = _cross_inputs(dtype, gen)
@@ -239,21 +240,28 @@ def _check_against_reference_and_vllm(case, dtype, cfg, kv_cache_dtype="auto"):
     ours, metadata = _run(PagedAttnCPUBackend, case, cfg, dtype, layer_args, query, new_k,
                           new_v, history, common)
     assert isinstance(metadata, PagedAttnCPUMetadata), "the plugin did not plan this step"
-    torch.testing.assert_close(ours.float(), expected.float(), atol=atol, rtol=rtol)
 
+    def theirs():
+        return _run(CPUAttentionBackend, case, cfg, dtype, layer_args, query, new_k, new_v,
+                    history, common)[0]
+    return ours, expected, theirs
+
+
+def _check_against_reference_and_vllm(case, dtype, cfg, kv_cache_dtype="auto"):
+    atol, rtol = TOLERANCES[dtype]
+    ours, expected, theirs = plugin_reference_and_vllm(case, dtype, cfg, kv_cache_dtype)
+    torch.testing.assert_close(ours.float(), expected.float(), atol=atol, rtol=rtol)
     if kv_cache_dtype != "auto":
         # fp8: the reference above is the check. vLLM's own fp8 kernels (AVX-512/AMX only)
         # are no yardstick: they sit 0.24-0.56 from the reference where the plugin sits
-        # within 0.01 (docs/vllm_plugin.md, "fp8 KV caches"). Without AVX-512 or AMX they
+        # within 0.01 (docs/vllm_plugin.md, "fp8 KV caches";
+        # benchmarks/vllm_fp8_deviation.py measures both). Without AVX-512 or AMX they
         # refuse fp8 caches outright, and only the plugin serves them.
         if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
             with pytest.raises(NotImplementedError, match="FP8 KV cache"):
-                _run(CPUAttentionBackend, case, cfg, dtype, layer_args, query, new_k, new_v,
-                     history, common)
+                theirs()
         return
-    theirs, _ = _run(CPUAttentionBackend, case, cfg, dtype, layer_args, query, new_k, new_v,
-                     history, common)
-    torch.testing.assert_close(ours.float(), theirs.float(), atol=2 * atol, rtol=2 * rtol)
+    torch.testing.assert_close(ours.float(), theirs().float(), atol=2 * atol, rtol=2 * rtol)
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))

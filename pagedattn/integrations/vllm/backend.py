@@ -92,7 +92,7 @@ def window_pair(sliding_window: int | None, attn_type: str) -> tuple[int, int]:
     """vLLM's window int (``left + 1`` keys, ``-1`` = none) as the kernels' ``(left,
     right)``: :func:`pagedattn.backends.cpu_runtime.window_pair` (vLLM's attention types
     are the same strings)."""
-    return cpu_runtime.window_pair(sliding_window, str(attn_type))
+    return cpu_runtime.window_pair(sliding_window, getattr(attn_type, "value", attn_type))
 
 
 def unserved_kv_cache_dtype(kv_cache_dtype: str) -> str | None:
