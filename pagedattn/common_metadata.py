@@ -266,8 +266,7 @@ class CommonAttentionMetadata:
                 )
             sm = _integer_tensor("slot_mapping", sm, torch.int64)
 
-        qsl_cpu = torch.zeros(num_reqs + 1, dtype=torch.int32)
-        qsl_cpu[1:] = torch.cumsum(torch.tensor(q, dtype=torch.int32), 0)
+        qsl_cpu = paging.query_start_loc(q)
         seq_lens_cpu = torch.tensor(s, dtype=torch.int32)
         computed_cpu = seq_lens_cpu - torch.tensor(q, dtype=torch.int32)
         return cls(

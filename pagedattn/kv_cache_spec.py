@@ -11,13 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from pagedattn.config import BuilderConfig, _require_positive, validate_block_size
+from pagedattn.paging import cdiv
 
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8,
               torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class AttentionSpec:
 
     def max_memory_usage_bytes(self, config: BuilderConfig) -> int:
         """Upper bound of cache bytes one request of maximal length needs."""
-        return _cdiv(self.max_tokens_resident(config), self.block_size) * self.page_size_bytes
+        return cdiv(self.max_tokens_resident(config), self.block_size) * self.page_size_bytes
 
 
 @dataclass(frozen=True)

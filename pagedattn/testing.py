@@ -136,9 +136,7 @@ def make_paged_batch(
     slots = paging.slot_mapping_for_new_tokens(block_table, spec.query_lens, spec.seq_lens,
                                                block_size)
 
-    query_lens = torch.tensor(spec.query_lens, dtype=torch.int32)
-    query_start_loc = torch.zeros(len(spec.query_lens) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.cumsum(query_lens, 0)
+    query_start_loc = paging.query_start_loc(spec.query_lens)
     new_keys = torch.cat([k[len(k) - q:] for k, q in zip(keys, spec.query_lens)])
     new_values = torch.cat([v[len(v) - q:] for v, q in zip(values, spec.query_lens)])
     return PagedBatch(

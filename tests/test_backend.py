@@ -1,4 +1,4 @@
-"""Tests of the backend interface (pagedattn.backend, seed 001) and the CP group state.
+"""Tests of the backend interface (pagedattn.backend) and the CP group state.
 
 CommonAttentionMetadata has its own file, tests/test_common_metadata.py.
 """

@@ -1,4 +1,5 @@
-"""Tests of pagedattn.backends.utils (seed 003 + the v1 decode/prefill split helpers)."""
+"""Tests of the backend utilities: the v0 port in compat/ (at vLLM's import path
+pagedattn.backends.utils) and the v1 decode/prefill split helpers."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(not ops.native_available(), reason="native exten
 
 EXAMPLES = int(os.environ.get("PAGEDATTN_FUZZ_EXAMPLES", "50"))
 CASE_TIMEOUT_S = float(os.environ.get("PAGEDATTN_FUZZ_TIMEOUT", "120"))
-# The common sizes, plus the ones issue 13 added (head sizes that are multiples of 8 but
+# The common sizes, plus the less common ones (head sizes that are multiples of 8 but
 # not 16, up to 512; block sizes 1, 8 and multiples of 16 outside the Literal).
 HEAD_SIZES = [32, 40, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256, 320, 512]
 BLOCK_SIZES = [1, 8, 16, 32, 48, 64, 80, 128, 256]

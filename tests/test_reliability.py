@@ -1,4 +1,4 @@
-"""Regression tests for the failures a randomized campaign found (issue 12): each one
+"""Regression tests for the failures a randomized campaign found: each one
 failed before its fix. Crash-prone cases run in a child process, so a segfault fails the
 one test instead of the whole session."""
 

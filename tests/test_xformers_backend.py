@@ -1,4 +1,4 @@
-"""XFORMERS_VLLM_V1 (seed 004): the parts that need neither a GPU nor Triton.
+"""XFORMERS_VLLM_V1: the parts that need neither a GPU nor Triton.
 
 The forward paths run in tests/gpu_kernels/ (Triton interpreter, or a GPU).
 """

@@ -58,7 +58,7 @@ struct AttnParams {
 // pages like long runs; 8 KiB per-head pieces at random addresses stream ~30% slower).
 // Rows are then head-major: row = head_offset * (tokens * group) + token * group + g.
 // Keys [first, last] inside [kv_begin, kv_end) that a query at absolute position `pos`
-// may see (SPEC.md visibility rule: causal, then the (left, right) window; -1 = unbounded).
+// may see (docs/semantics.md visibility rule: causal, then the (left, right) window; -1 = unbounded).
 // first > last when it sees none. The one C++ statement of the rule: every kernel uses it.
 // Included before any `#pragma GCC target`, so every TU compiles it for the baseline ISA.
 struct KeyRange {

@@ -1,4 +1,4 @@
-"""XFORMERS_VLLM_V1: vLLM's xformers V1 backend (seed 004), on pagedattn's Triton ops.
+"""XFORMERS_VLLM_V1: vLLM's xformers V1 backend, on pagedattn's Triton ops.
 
 Paths in ``forward`` (the batch is ordered decodes first, see ``reorder_batch``):
 

@@ -202,9 +202,7 @@ def _reference_rows(inputs: ScenarioInputs) -> tuple[torch.Tensor, torch.Tensor]
     ids = _check_ids(s)
     qsl = inputs.query_start_loc.to(torch.int64)
     rows = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in ids])
-    lens = torch.tensor([s.query_lens[r] for r in ids], dtype=torch.int32)
-    sub_qsl = torch.zeros(len(ids) + 1, dtype=torch.int32)
-    sub_qsl[1:] = torch.cumsum(lens, 0)
+    sub_qsl = paging.query_start_loc([s.query_lens[r] for r in ids])
     key_cache, value_cache = inputs.key_cache, inputs.value_cache
     table = inputs.block_tables[0][ids]
     if s.is_fp8:  # dequantise only the checked requests' blocks (pools are GiBs)

@@ -21,14 +21,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pagedattn import paging
+from pagedattn.ops.reference import FP8_CACHE_DTYPES
 
 ATTENTION_KINDS = ("decode", "prefill", "mixed")
 KINDS = ATTENTION_KINDS + ("reshape_and_cache",)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # KV-cache storage: "auto" = the model dtype, or an fp8 format (vLLM's kv_cache_dtype names).
-KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-             "fp8_e5m2": torch.float8_e5m2}
+KV_DTYPES = {"auto": None, **FP8_CACHE_DTYPES}
 FP8_KV_SCALE = 0.05
 """k_scale = v_scale of fp8 scenarios: randn / 0.05 spans e4m3's normal range."""
 
@@ -378,9 +378,7 @@ def build_inputs(scenario: Scenario, copies: int, *, seed: int = 0) -> ScenarioI
         block_tables.append(paging.pad_block_tables(
             [[physical[i] for i in run] for run in runs]))
 
-    query_lens = torch.tensor(s.query_lens, dtype=torch.int32)
-    query_start_loc = torch.zeros(s.batch + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.cumsum(query_lens, 0)
+    query_start_loc = paging.query_start_loc(s.query_lens)
     inputs = ScenarioInputs(
         scenario=s,
         copies=copies,

@@ -7,7 +7,7 @@ Two kinds of names are reachable here:
   :func:`reorder_batch_to_split_decodes_and_prefills`), thin users of
   :mod:`pagedattn.paging`, which holds all index translation (slot formula, block
   tables, the split itself);
-* the v0 ("seed 003") port -- ``CommonMetadataBuilder``, ``CommonAttentionState``,
+* the v0 port -- ``CommonMetadataBuilder``, ``CommonAttentionState``,
   ``compute_slot_mapping``, MLA dims, the encoder/decoder helpers -- which lives in
   :mod:`pagedattn.compat.vllm_v0` with its stand-in runner types in
   :mod:`pagedattn.compat.runner_types`, re-exported so seed code keeps importing it from
@@ -17,11 +17,11 @@ Two kinds of names are reachable here:
 from __future__ import annotations
 
 from pagedattn import paging
-from pagedattn.compat.graph_state import (  # noqa: F401  (seed names)
+from pagedattn.compat.graph_state import (  # noqa: F401  (vLLM v0 names)
     AttentionState,
     CommonAttentionState,
 )
-from pagedattn.compat.runner_types import (  # noqa: F401  (seed names)
+from pagedattn.compat.runner_types import (  # noqa: F401  (vLLM v0 names)
     GraphCaptureBackend,
     ReorderableBatch,
     MetadataInputBuilder,
@@ -32,7 +32,7 @@ from pagedattn.compat.runner_types import (  # noqa: F401  (seed names)
     is_all_cross_attn_metadata_set,
     is_all_encoder_attn_metadata_set,
 )
-from pagedattn.compat.vllm_v0 import (  # noqa: F401  (seed names)
+from pagedattn.compat.vllm_v0 import (  # noqa: F401  (vLLM v0 names)
     _COMPUTE_SLOT_MAPPING_NUMPY_NUMEL,
     PAD_SLOT_ID,
     STR_NOT_IMPL_ENC_DEC_ROCM_HIP,

@@ -1,4 +1,4 @@
-"""vLLM's v0 ("seed 003") attention helpers, kept for the seed's interface.
+"""vLLM's v0 attention helpers, kept for code written against that interface.
 
 This is a compatibility layer, not the core: the engine and the v1 backends build their
 metadata from :class:`pagedattn.common_metadata.CommonAttentionMetadata` and translate

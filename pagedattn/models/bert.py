@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedattn.models.loader import WeightCopier
 from pagedattn.models.layers import PagedAttention
 
 
@@ -92,42 +93,27 @@ class BertModel(nn.Module):
         return F.normalize(pooled, dim=-1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        copier = WeightCopier(self, "the BERT encoder")
         h = self.config.hidden_size
         renames = {"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
                    "intermediate.dense": "intermediate", "output.dense": "output",
                    "output.LayerNorm": "output_norm"}
+        qkv = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
         for name, tensor in weights:
             name = name.removeprefix("bert.")
             if name.startswith("pooler.") or name.endswith("position_ids"):
                 continue
-            offset = None
+            target, offset = name, None
             if name.startswith("embeddings."):
                 target = name.removeprefix("embeddings.").replace("LayerNorm", "embed_norm")
             elif name.startswith("encoder.layer."):
                 _, _, idx, rest = name.split(".", 3)
                 module, _, kind = rest.rpartition(".")
-                qkv = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
                 if module in qkv:
                     target, offset = f"layers.{idx}.qkv.{kind}", qkv[module] * h
                 elif module in renames:
                     target = f"layers.{idx}.{renames[module]}.{kind}"
-                else:
-                    target = name
-            else:
-                target = name
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the BERT encoder")
-            dst = param.data if offset is None else param.data.narrow(0, offset, h)
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            loaded.add(target if offset is None else f"{target}@{offset}")
-        expected = {f"{p}@{o}" for p in params if ".qkv." in p for o in (0, h, 2 * h)}
-        expected |= {p for p in params if ".qkv." not in p}
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+            copier.copy(name, tensor, target, offset, h)
+        params = copier.params
+        expected = {copier.piece(p, o) for p in params if ".qkv." in p for o in (0, h, 2 * h)}
+        copier.finish(expected | {p for p in params if ".qkv." not in p})

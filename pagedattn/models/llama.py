@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedattn.models.loader import WeightCopier
 from pagedattn.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
 
 DECODER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -138,49 +139,28 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter
         must be set exactly once (a missing one raises naming it)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
         cfg = self.config
-        qkv_offsets = {"q_proj": (0, cfg.num_heads * cfg.head_dim)}
-        kv = cfg.num_kv_heads * cfg.head_dim
-        qkv_offsets["k_proj"] = (qkv_offsets["q_proj"][1], kv)
-        qkv_offsets["v_proj"] = (qkv_offsets["q_proj"][1] + kv, kv)
+        copier = WeightCopier(self, cfg.model_type)
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
+                 "v_proj": ("qkv_proj", q + kv, kv),
+                 "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+                 "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size)}
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
             target, offset, size = name, None, None
             parts = name.split(".")
-            if len(parts) >= 4 and parts[0] == "layers":
-                sub = parts[3]
-                if sub in qkv_offsets:
-                    target = f"layers.{parts[1]}.qkv_proj.{parts[4]}"
-                    offset, size = qkv_offsets[sub]
-                elif sub in ("gate_proj", "up_proj"):
-                    target = f"layers.{parts[1]}.gate_up_proj.{parts[4]}"
-                    size = cfg.intermediate_size
-                    offset = 0 if sub == "gate_proj" else size
-                elif sub in ("o_proj", "down_proj"):
-                    target = f"layers.{parts[1]}.{sub}.{parts[4]}"
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.model_type}")
-            dst = param.data if offset is None else param.data.narrow(0, offset, size)
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            loaded.add(target if offset is None else f"{target}@{offset}")
+            if len(parts) >= 5 and parts[0] == "layers" and parts[3] in fused:
+                module, offset, size = fused[parts[3]]
+                target = f"layers.{parts[1]}.{module}.{parts[4]}"
+            elif len(parts) >= 5 and parts[0] == "layers" and parts[3] in ("o_proj", "down_proj"):
+                target = f"layers.{parts[1]}.{parts[3]}.{parts[4]}"
+            copier.copy(name, tensor, target, offset, size)
         expected = set()
-        for pname, _ in self.named_parameters():
-            if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
-                expected |= {f"{pname}@{o}" for o, _ in qkv_offsets.values()}
-            elif "gate_up_proj" in pname:
-                expected |= {f"{pname}@0", f"{pname}@{cfg.intermediate_size}"}
-            else:
-                expected.add(pname)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        for pname in copier.params:
+            module = pname.rsplit(".", 2)[-2]
+            offsets = sorted({o for m, o, _ in fused.values() if m == module})
+            expected |= ({copier.piece(pname, o) for o in offsets} if offsets else {pname})
+        copier.finish(expected)

@@ -190,3 +190,38 @@ def load_tokenizer(checkpoint: Checkpoint):
 
     folder, kwargs = checkpoint.tokenizer_source
     return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+
+
+class WeightCopier:
+    """Copies checkpoint tensors into a model's parameters, whole or into a row slice
+    (one part of a fused projection), and checks at the end that every expected piece
+    was set. A tensor with no place, or the wrong shape, raises naming it."""
+
+    def __init__(self, model: torch.nn.Module, model_name: str) -> None:
+        self.params = dict(model.named_parameters())
+        self.model_name = model_name
+        self.loaded: set[str] = set()
+
+    def copy(self, name: str, tensor: torch.Tensor, target: str, offset: int | None = None,
+             size: int | None = None) -> None:
+        """Checkpoint tensor ``name`` into parameter ``target`` (rows ``[offset, offset +
+        size)`` when it is one part of a fused projection)."""
+        param = self.params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {self.model_name}")
+        dst = param.data if offset is None else param.data.narrow(0, offset, size)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        self.loaded.add(self.piece(target, offset))
+
+    @staticmethod
+    def piece(target: str, offset: int | None = None) -> str:
+        """The name :meth:`finish` expects for a whole parameter or one of its slices."""
+        return target if offset is None else f"{target}@{offset}"
+
+    def finish(self, expected: set[str]) -> None:
+        missing = sorted(expected - self.loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -6,7 +6,7 @@ Both take the *flash* cache layout, one tensor each for keys and values::
     key_cache[b, o, h, :] = key of the token in slot b * block_size + o
 
 (``kv_cache.unbind(0)`` of a ``[2, num_blocks, block_size, num_kv_heads, head_size]``
-cache). Semantics are SPEC.md's "Attention semantics", the definition
+cache). Semantics are docs/semantics.md, the definition
 :mod:`pagedattn.ops.reference` implements.
 
 The kernels launch on CUDA tensors; on CPU tensors only under Triton's interpreter
@@ -31,12 +31,8 @@ __all__ = ["reshape_and_cache_flash", "unified_attention", "launch_problem",
            "triton_import_problem", "FP8_CACHE_DTYPES", "KernelLaunch",
            "plan_reshape_and_cache_flash", "plan_unified_attention"]
 
-FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-"""``kv_cache_dtype`` names of the quantized caches and the torch dtype each stores."""
+from pagedattn.ops.reference import FP8_CACHE_DTYPES  # noqa: E402 (kv_cache_dtype -> fp8 dtype)
+
 KV_CACHE_DTYPES = ("auto", *FP8_CACHE_DTYPES)
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
