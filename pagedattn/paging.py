@@ -169,42 +169,36 @@ def num_leading_decodes(query_lens: Sequence[int], decode_threshold: int = 1) ->
     return n
 
 
-def split_decodes_and_prefills(common_attn_metadata: Any, decode_threshold: int = 1,
-                               require_uniform: bool = False) -> tuple[int, int, int, int]:
+def split_decodes_and_prefills(query_start_loc: torch.Tensor, num_actual_tokens: int,
+                               decode_threshold: int = 1, require_uniform: bool = False
+                               ) -> tuple[int, int, int, int]:
     """``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)`` of a batch
     already ordered decodes first (see :func:`decodes_first_swaps`).
 
-    Reads only ``max_query_len``, ``num_reqs``, ``num_actual_tokens`` and
-    ``query_start_loc_cpu`` (``int32 [num_reqs + 1]``) of the metadata. A decode is a
-    request with ``query_len <= decode_threshold``; the boundary is the first request
-    above it. With ``require_uniform`` the decodes must also share the first request's
-    query length (a batch where every length equals it, or is 0 = graph padding, is all
-    decodes). Tokens beyond ``query_start_loc_cpu[-1]`` (padding up to
-    ``num_actual_tokens``) count as prefill tokens.
+    ``query_start_loc``: host ``int32 [num_reqs + 1]``; ``num_actual_tokens``: the batch's
+    token rows (rows past ``query_start_loc[-1]``, padding, count as prefill tokens). A
+    decode is a request with ``query_len <= decode_threshold``; the boundary is the first
+    request above it. With ``require_uniform`` the decodes must also share the first
+    request's query length (a batch where every length equals it, or is 0 = graph
+    padding, is all decodes).
 
     Example (threshold 1): query lens ``[1, 1, 5, 3]`` -> ``(2, 2, 2, 8)``.
 
     Raises:
-        ValueError: ``decode_threshold < 1``, a ``query_start_loc_cpu`` that does not
-            have ``num_reqs + 1`` entries, or (non-uniform) a decode after the first
+        ValueError: ``decode_threshold < 1``, or (non-uniform) a decode after the first
             prefill, i.e. a batch that was not reordered.
     """
     if isinstance(decode_threshold, bool) or not isinstance(decode_threshold, int) \
             or decode_threshold < 1:
         raise ValueError(f"decode_threshold must be an int >= 1, got {decode_threshold!r}")
-    max_query_len = common_attn_metadata.max_query_len
-    num_reqs = common_attn_metadata.num_reqs
-    num_tokens = common_attn_metadata.num_actual_tokens
-    qsl = common_attn_metadata.query_start_loc_cpu
-    if qsl.dim() != 1 or qsl.numel() != num_reqs + 1:
-        raise ValueError(
-            f"query_start_loc_cpu must have num_reqs + 1 = {num_reqs + 1} entries, got "
-            f"shape {tuple(qsl.shape)}"
-        )
+    qsl = query_start_loc
+    num_reqs = qsl.numel() - 1
+    num_tokens = num_actual_tokens
+    query_lens = qsl[1:] - qsl[:-1]
+    max_query_len = int(query_lens.max()) if num_reqs > 0 else 0
 
     if max_query_len <= decode_threshold and (not require_uniform or decode_threshold <= 1):
         return num_reqs, 0, num_tokens, 0
-    query_lens = qsl[1:] - qsl[:-1]
     if int(query_lens[0]) > decode_threshold:
         return 0, num_reqs, 0, num_tokens
 

@@ -8,7 +8,6 @@ attends, exactly as one model step does.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 
 import pytest
@@ -17,7 +16,6 @@ import torch.nn.functional as F
 
 from pagedattn import ops
 from pagedattn.backend import AttentionType, CommonAttentionMetadata
-from pagedattn.backends import cpu_attn
 from pagedattn.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -280,9 +278,7 @@ def test_metadata_is_frozen_and_sdpa_biases_live_with_the_step():
         impl.forward(None, batch.query, batch.new_keys, batch.new_values,
                      context_only_kv_cache(batch), metadata, output=output)
         torch.testing.assert_close(output, reference_for(impl, batch), **FP32_TOL)
-    biases = cpu_attn._SDPA_BIASES[metadata]
-    assert sorted(key[1] for key in biases) == [23, 40]
-    steps_cached = len(cpu_attn._SDPA_BIASES)
-    del metadata, biases
-    gc.collect()
-    assert len(cpu_attn._SDPA_BIASES) == steps_cached - 1  # dropped with the step's plan
+    # One bias per sequence length, kept by the step's plan (and dropped with it); the
+    # next step's plan starts with none.
+    assert sorted(key[1] for key in metadata.sdpa_biases) == [23, 40]
+    assert build_metadata(batch, torch.float32, 16, use_sdpa_prefill=True)[1].sdpa_biases == {}

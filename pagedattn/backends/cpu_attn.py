@@ -17,8 +17,7 @@ Paths in ``forward``:
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -139,6 +138,9 @@ class CPUAttentionMetadata:
     sdpa_start_loc: torch.Tensor | None = None
     """int32 CPU ``[num_sdpa_seqs + 1]``: per-sequence rows for the SDPA path, relative
     to the first row that path receives."""
+    sdpa_biases: dict = field(default_factory=dict, repr=False)
+    """Dense SDPA biases of the step, built on first use and shared by the layers that
+    need the same one (a cache of derived values; the plan itself never changes)."""
 
     def __post_init__(self) -> None:
         if self.query_start_loc.numel() != self.seq_lens.numel() + 1:
@@ -248,12 +250,6 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             num_decode_tokens=num_decode_tokens,
             sdpa_start_loc=sdpa_start_loc,
         )
-
-
-# Dense SDPA biases of a step, keyed by its metadata: built on first use, shared by the
-# layers that need the same one, and dropped with the step's metadata.
-_SDPA_BIASES: weakref.WeakKeyDictionary[CPUAttentionMetadata, dict] = \
-    weakref.WeakKeyDictionary()
 
 
 class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
@@ -411,7 +407,7 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         if self.alibi_slopes is None and not has_window:
             return None
         key = (self.num_heads, seq_len, causal, self.sliding_window, self._alibi_key, dtype)
-        biases = _SDPA_BIASES.setdefault(attn_metadata, {})
+        biases = attn_metadata.sdpa_biases
         bias = biases.get(key)
         if bias is None:
             bias = self._score_bias(seq_len, causal).to(dtype)

@@ -21,6 +21,7 @@ import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
@@ -177,9 +178,10 @@ class XFormersAttentionBackend(AttentionBackend):
         return reasons
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class XFormersAttentionMetadata:
-    """One step's batch (decodes first), with cached decode-only / prefill-only views."""
+    """One step's batch (decodes first), with decode-only / prefill-only views derived on
+    first use (read-only like every field; derived once, shared by the step's layers)."""
 
     num_actual_tokens: int  # Number of tokens excluding padding.
     max_query_len: int
@@ -201,20 +203,15 @@ class XFormersAttentionMetadata:
     attn_bias: Optional[AttentionBias] = None
     """The decodes' paged mask (xformers ``PagedBlockDiagonalCausalWithOffsetPaddedKeysMask``)."""
 
-    _cached_prefill_metadata: Optional[XFormersAttentionMetadata] = None
-    _cached_decode_metadata: Optional[XFormersAttentionMetadata] = None
-
-    @property
+    @cached_property
     def prefill_metadata(self) -> Optional[XFormersAttentionMetadata]:
         """The prefill requests alone (query rows rebased to 0), or ``None``."""
         if self.num_prefills == 0:
             return None
-        if self._cached_prefill_metadata is not None:
-            return self._cached_prefill_metadata
         q_start_loc = self.query_start_loc[self.num_decodes:]
         q_seqlens = torch.diff(q_start_loc)
         kv_seqlens = self.seq_lens[self.num_decodes:]
-        self._cached_prefill_metadata = XFormersAttentionMetadata(
+        return XFormersAttentionMetadata(
             num_actual_tokens=self.num_prefill_tokens,
             max_query_len=int(q_seqlens.max().item()),
             query_start_loc=q_start_loc - q_start_loc[0],
@@ -223,19 +220,16 @@ class XFormersAttentionMetadata:
             block_table=self.block_table[self.num_decodes:],
             slot_mapping=self.slot_mapping[self.num_decode_tokens:],
         )
-        return self._cached_prefill_metadata
 
-    @property
+    @cached_property
     def decode_metadata(self) -> Optional[XFormersAttentionMetadata]:
         """The decode requests alone (with the paged bias), or ``None``."""
         if self.num_decode_tokens == 0:
             return None
-        if self._cached_decode_metadata is not None:
-            return self._cached_decode_metadata
         q_start_loc = self.query_start_loc
         q_seqlens = torch.diff(q_start_loc)
         decode_kv_seqlens = self.seq_lens[:self.num_decodes]
-        self._cached_decode_metadata = XFormersAttentionMetadata(
+        return XFormersAttentionMetadata(
             num_actual_tokens=self.num_decode_tokens,
             max_query_len=int(q_seqlens[:self.num_decodes].max().item()),
             query_start_loc=q_start_loc[:self.num_decodes + 1],
@@ -245,17 +239,6 @@ class XFormersAttentionMetadata:
             slot_mapping=self.slot_mapping[:self.num_decode_tokens],
             attn_bias=self.attn_bias,
         )
-        return self._cached_decode_metadata
-
-
-class _StepCounts:
-    """What ``paging.split_decodes_and_prefills`` reads, from a possibly padded batch."""
-
-    def __init__(self, cm: CommonAttentionMetadata) -> None:
-        self.max_query_len = cm.max_query_len
-        self.num_reqs = cm.num_reqs
-        self.num_actual_tokens = cm.num_actual_tokens
-        self.query_start_loc_cpu = cm.query_start_loc_cpu[: cm.num_reqs + 1]
 
 
 class XFormersAttentionMetadataBuilder(AttentionMetadataBuilder[XFormersAttentionMetadata]):
@@ -285,7 +268,8 @@ class XFormersAttentionMetadataBuilder(AttentionMetadataBuilder[XFormersAttentio
               fast_build: bool = False) -> XFormersAttentionMetadata:
         cm = common_attn_metadata
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = (
-            paging.split_decodes_and_prefills(_StepCounts(cm), decode_threshold=1))
+            paging.split_decodes_and_prefills(cm.query_start_loc_cpu[: cm.num_reqs + 1],
+                                              cm.num_actual_tokens, decode_threshold=1))
         num_reqs = cm.num_reqs
         q_start_loc = cm.query_start_loc[: num_reqs + 1]
         kv_seqlens = cm.seq_lens[:num_reqs]

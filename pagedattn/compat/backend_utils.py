@@ -91,10 +91,17 @@ __all__ = [
 def split_decodes_and_prefills(common_attn_metadata, decode_threshold: int = 1,
                                require_uniform: bool = False) -> tuple[int, int, int, int]:
     """``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)`` of a batch
-    already ordered decodes first; see :func:`pagedattn.paging.split_decodes_and_prefills`
-    (this is the seed's name for it)."""
-    return paging.split_decodes_and_prefills(common_attn_metadata, decode_threshold,
-                                             require_uniform)
+    already ordered decodes first, read from its metadata's ``num_reqs``,
+    ``num_actual_tokens`` and ``query_start_loc_cpu``; see
+    :func:`pagedattn.paging.split_decodes_and_prefills`."""
+    num_reqs = common_attn_metadata.num_reqs
+    qsl = common_attn_metadata.query_start_loc_cpu
+    if qsl.dim() != 1 or qsl.numel() != num_reqs + 1:
+        raise ValueError(
+            f"query_start_loc_cpu must have num_reqs + 1 = {num_reqs + 1} entries, got "
+            f"shape {tuple(qsl.shape)}")
+    return paging.split_decodes_and_prefills(qsl, common_attn_metadata.num_actual_tokens,
+                                             decode_threshold, require_uniform)
 
 
 def reorder_batch_to_split_decodes_and_prefills(input_batch: ReorderableBatch,
