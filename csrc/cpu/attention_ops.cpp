@@ -345,22 +345,21 @@ std::pair<int64_t, int64_t> job_keys(const AttnParams& p, const int32_t* j) {
 }
 }  // namespace
 
-void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_cache,
-                                 const at::Tensor& value_cache, at::Tensor& output,
-                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                 double scale, bool causal,
-                                 const std::optional<at::Tensor>& alibi_slopes,
-                                 int64_t sliding_window_left, int64_t sliding_window_right,
-                                 const at::Tensor& block_table, double softcap,
-                                 const at::Tensor& scheduler_metadata,
-                                 const std::optional<at::Tensor>& s_aux, double k_scale,
-                                 double v_scale) {
-  // ================= validate: the call\'s tensors and scalars
+namespace {
+// The call's dimensions, once its tensors and scalars are checked.
+struct CallShape {
+  DType dtype, cache_dtype;
+  int64_t num_tokens, num_heads, head_size, num_blocks, num_kv_heads, block_size, num_reqs;
+};
+
+void check_attention_tensors(const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& output,
+                             CallShape& c) {
   check_cpu(query, "query");
   check_cpu(output, "output");
   check_cpu(key_cache, "key_cache");
   check_cpu(value_cache, "value_cache");
-  const DType dt = to_dtype(query.scalar_type(), "query");
+  c.dtype = to_dtype(query.scalar_type(), "query");
   TORCH_CHECK_VALUE(query.dim() == 3, "query must be 3-D [num_tokens, num_heads, head_size], got shape ",
                     query.sizes());
   TORCH_CHECK_VALUE(output.sizes() == query.sizes(), "output shape ", output.sizes(),
@@ -368,19 +367,18 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   TORCH_CHECK_TYPE(output.scalar_type() == query.scalar_type(), "output dtype ",
                    output.scalar_type(), " must equal query dtype ", query.scalar_type());
   check_cache_pair(key_cache, value_cache);
-  const DType cache_dt = to_cache_dtype(key_cache.scalar_type(), "key_cache");
-  TORCH_CHECK_TYPE(cache_dt == dt || is_fp8(cache_dt), "kv cache dtype ",
+  c.cache_dtype = to_cache_dtype(key_cache.scalar_type(), "key_cache");
+  TORCH_CHECK_TYPE(c.cache_dtype == c.dtype || is_fp8(c.cache_dtype), "kv cache dtype ",
                    key_cache.scalar_type(), " must equal query dtype ", query.scalar_type(),
                    " or be float8_e4m3fn / float8_e5m2");
-  check_kv_scale(k_scale, "k_scale");
-  check_kv_scale(v_scale, "v_scale");
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), hs = query.size(2);
-  const int64_t num_blocks = key_cache.size(0), num_kv_heads = key_cache.size(1);
-  const int64_t bs = key_cache.size(2);
+  c.num_tokens = query.size(0), c.num_heads = query.size(1), c.head_size = query.size(2);
+  c.num_blocks = key_cache.size(0), c.num_kv_heads = key_cache.size(1);
+  c.block_size = key_cache.size(2);
+  const int64_t hs = c.head_size;
   TORCH_CHECK_VALUE(key_cache.size(3) == hs, "key_cache head_size (", key_cache.size(3),
                     ") must equal query head_size (", hs, ")");
   check_head_size(hs, "query");
-  check_heads(num_heads, num_kv_heads);
+  check_heads(c.num_heads, c.num_kv_heads);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&query, &output, &key_cache, &value_cache})
     TORCH_CHECK_VALUE(t->stride(t->dim() - 1) == 1, "the head_size dim of query, output and the ",
                       "kv caches must be contiguous, got strides ", t->strides());
@@ -392,24 +390,34 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
     TORCH_CHECK_VALUE(t->stride(2) == hs, "kv cache blocks must store token rows contiguously ",
                       "(stride(2) == head_size ", hs, "), got strides ", t->strides());
   // Rows written through one address (an expand()ed output) would race and be garbage.
-  TORCH_CHECK_VALUE(num_tokens <= 1 || output.stride(0) >= num_heads * hs,
+  TORCH_CHECK_VALUE(c.num_tokens <= 1 || output.stride(0) >= c.num_heads * hs,
                     "output rows overlap: token stride ", output.stride(0),
-                    " < num_heads * head_size (", num_heads * hs,
+                    " < num_heads * head_size (", c.num_heads * hs,
                     "); output needs its own storage per token (not an expand()ed tensor)");
+}
 
+void check_batch_tensors(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         const at::Tensor& block_table, CallShape& c) {
   check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1);
   check_index_tensor(seq_lens, "seq_lens", at::kInt, 1);
   check_index_tensor(block_table, "block_table", at::kInt, 2);
-  const int64_t num_reqs = seq_lens.numel();
-  TORCH_CHECK_VALUE(query_start_loc.numel() == num_reqs + 1, "query_start_loc must have ",
-                    "len(seq_lens) + 1 (", num_reqs + 1, ") entries, got ", query_start_loc.numel());
-  TORCH_CHECK_VALUE(block_table.size(0) >= num_reqs, "block_table has ", block_table.size(0),
-                    " rows, need one per request (", num_reqs, ")");
+  c.num_reqs = seq_lens.numel();
+  TORCH_CHECK_VALUE(query_start_loc.numel() == c.num_reqs + 1, "query_start_loc must have ",
+                    "len(seq_lens) + 1 (", c.num_reqs + 1, ") entries, got ", query_start_loc.numel());
+  TORCH_CHECK_VALUE(block_table.size(0) >= c.num_reqs, "block_table has ", block_table.size(0),
+                    " rows, need one per request (", c.num_reqs, ")");
   TORCH_CHECK_VALUE(block_table.size(1) <= 1 || block_table.stride(1) == 1,
                     "block_table rows must be contiguous, got strides ", block_table.strides());
-  TORCH_CHECK_VALUE(sliding_window_left >= -1 && sliding_window_right >= -1,
-                    "sliding window must be -1 (unbounded) or >= 0, got (", sliding_window_left,
-                    ", ", sliding_window_right, ")");
+}
+
+// scale, softcap and the window, checked; the window clamped (returned through the refs).
+void check_scalars(double scale, double softcap, double k_scale, double v_scale,
+                   int64_t& window_left, int64_t& window_right) {
+  check_kv_scale(k_scale, "k_scale");
+  check_kv_scale(v_scale, "v_scale");
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1,
+                    "sliding window must be -1 (unbounded) or >= 0, got (", window_left,
+                    ", ", window_right, ")");
   // The kernels compute in fp32: scale and softcap must survive the conversion (a cap
   // of 1e-46 became 0.0f, i.e. capping silently off), and scale / softcap too.
   constexpr double kFltMax = std::numeric_limits<float>::max();
@@ -425,42 +433,33 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   // Positions are < 2^31, so any window of 2^32 or more hides nothing: clamping keeps
   // pos +- window far from int64 overflow without changing the result.
   constexpr int64_t kUnboundedWindow = int64_t{1} << 32;
-  sliding_window_left = std::min(sliding_window_left, kUnboundedWindow);
-  sliding_window_right = std::min(sliding_window_right, kUnboundedWindow);
+  window_left = std::min(window_left, kUnboundedWindow);
+  window_right = std::min(window_right, kUnboundedWindow);
+}
 
-  at::Tensor alibi_f, sink_f;
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& a = *alibi_slopes;
-    check_cpu(a, "alibi_slopes");
-    TORCH_CHECK_TYPE(a.scalar_type() == at::kFloat, "alibi_slopes must be float32, got ",
-                     a.scalar_type());
-    TORCH_CHECK_VALUE(a.dim() == 1 && a.numel() == num_heads, "alibi_slopes must have shape [",
-                      num_heads, "] (num_heads), got ", a.sizes());
-    alibi_f = a.contiguous();
-  }
-  if (s_aux.has_value()) {
-    const at::Tensor& s = *s_aux;
-    check_cpu(s, "s_aux");
-    TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16,
-                     "s_aux must be float32 or bfloat16, got ", s.scalar_type());
-    TORCH_CHECK_VALUE(s.dim() == 1 && s.numel() == num_heads, "s_aux must have shape [",
-                      num_heads, "] (num_heads), got ", s.sizes());
-    sink_f = s.to(at::kFloat).contiguous();
-  }
+// A per-head float32 vector argument ([num_heads]), contiguous fp32, or undefined.
+at::Tensor per_head_floats(const std::optional<at::Tensor>& t, const char* name,
+                           int64_t num_heads, bool bf16_ok) {
+  if (!t.has_value()) return at::Tensor();
+  const at::Tensor& a = *t;
+  check_cpu(a, name);
+  TORCH_CHECK_TYPE(a.scalar_type() == at::kFloat || (bf16_ok && a.scalar_type() == at::kBFloat16),
+                   name, bf16_ok ? " must be float32 or bfloat16, got " : " must be float32, got ",
+                   a.scalar_type());
+  TORCH_CHECK_VALUE(a.dim() == 1 && a.numel() == num_heads, name, " must have shape [",
+                    num_heads, "] (num_heads), got ", a.sizes());
+  return a.to(at::kFloat).contiguous();
+}
 
-  // ---- the plan, against this call
-  check_index_tensor(scheduler_metadata, "scheduler_metadata", at::kInt, 1);
-  const at::Tensor meta_c = scheduler_metadata.contiguous();
-  const at::Tensor qsl_c = query_start_loc.contiguous(), sl_c = seq_lens.contiguous();
-  const int32_t* qsl = qsl_c.data_ptr<int32_t>();
-  const int32_t* sl = sl_c.data_ptr<int32_t>();
-  check_lengths(qsl, sl, num_reqs, num_tokens);
-  const CheckedPlan plan = check_plan(meta_c, num_reqs, num_heads, num_kv_heads, hs, qsl, sl);
-  check_block_size(bs, plan.hint, "kv cache");
-
+AttnParams make_params(const CallShape& c, const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, at::Tensor& output,
+                       const at::Tensor& block_table, const int32_t* qsl, const int32_t* sl,
+                       double scale, bool causal, const at::Tensor& alibi_f, int64_t window_left,
+                       int64_t window_right, double softcap, const at::Tensor& sink_f,
+                       double k_scale, double v_scale) {
   AttnParams p{};
-  p.dtype = dt;
-  p.cache_dtype = cache_dt;
+  p.dtype = c.dtype;
+  p.cache_dtype = c.cache_dtype;
   p.q = query.data_ptr();
   p.q_stride_tok = query.stride(0);
   p.q_stride_head = query.stride(1);
@@ -479,41 +478,49 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   p.bt_stride = block_table.stride(0);
   p.query_start_loc = qsl;
   p.seq_lens = sl;
-  p.head_size = static_cast<int32_t>(hs);
-  p.block_size = static_cast<int32_t>(bs);
-  p.num_heads = static_cast<int32_t>(num_heads);
-  p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
+  p.head_size = static_cast<int32_t>(c.head_size);
+  p.block_size = static_cast<int32_t>(c.block_size);
+  p.num_heads = static_cast<int32_t>(c.num_heads);
+  p.num_kv_heads = static_cast<int32_t>(c.num_kv_heads);
   // fp8: scores on the stored values times (scale * k_scale), outputs times v_scale.
   // Other caches hold the values themselves: their scales are ignored, as in vLLM.
-  p.scale = static_cast<float>(is_fp8(cache_dt) ? scale * k_scale : scale);
-  p.v_scale = is_fp8(cache_dt) ? static_cast<float>(v_scale) : 1.f;
+  const bool fp8 = is_fp8(c.cache_dtype);
+  p.scale = static_cast<float>(fp8 ? scale * k_scale : scale);
+  p.v_scale = fp8 ? static_cast<float>(v_scale) : 1.f;
   p.softcap = static_cast<float>(softcap);
   p.alibi = alibi_f.defined() ? alibi_f.data_ptr<float>() : nullptr;
   p.sink = sink_f.defined() ? sink_f.data_ptr<float>() : nullptr;
-  p.window_left = sliding_window_left;
-  p.window_right = sliding_window_right;
+  p.window_left = window_left;
+  p.window_right = window_right;
   p.causal = causal;
+  return p;
+}
 
-  // ---- block ids: only the blocks each request actually reads
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    const KeyRange vis = request_key_range(p, qsl[r + 1] - int64_t{qsl[r]}, sl[r]);
+// Only the blocks each request actually reads must be valid ids.
+void check_block_ids(const AttnParams& p, const CallShape& c, int64_t table_cols) {
+  const int64_t bs = c.block_size;
+  for (int64_t r = 0; r < c.num_reqs; ++r) {
+    const int32_t* sl = p.seq_lens;
+    const KeyRange vis = request_key_range(p, p.query_start_loc[r + 1] - int64_t{p.query_start_loc[r]}, sl[r]);
     if (vis.last < vis.first) continue;
-    TORCH_CHECK_VALUE(vis.last / bs < block_table.size(1), "seq_lens[", r, "] (", sl[r],
+    TORCH_CHECK_VALUE(vis.last / bs < table_cols, "seq_lens[", r, "] (", sl[r],
                       ") needs ", vis.last / bs + 1, " blocks of ", bs,
-                      " but block_table has only ", block_table.size(1), " columns");
+                      " but block_table has only ", table_cols, " columns");
     const int32_t* row = p.block_table + r * p.bt_stride;
     for (int64_t b = vis.first / bs; b <= vis.last / bs; ++b)
-      TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < num_blocks, "block_table[", r, ", ", b, "] (",
-                        row[b], ") is out of range for a cache of ", num_blocks, " blocks");
+      TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < c.num_blocks, "block_table[", r, ", ", b, "] (",
+                        row[b], ") is out of range for a cache of ", c.num_blocks, " blocks");
   }
-  const KernelTable* kt = current_kernels();
-  if (num_tokens == 0 || plan.num_jobs == 0) return;
+}
 
-  // ================= execute the plan
+// Runs the plan's work items on the pool, then merges the split partials.
+void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_size) {
+  const KernelTable* kt = current_kernels();
+  const int64_t hs = head_size;
   // Workspace: per-worker scratch, then the split partials (outputs, log-sum-exps).
   const int64_t threads = at::get_num_threads();
   const int64_t scratch_floats =
-      align_floats(static_cast<int64_t>(attn_scratch_floats(plan.max_rows, hs, bs)));
+      align_floats(static_cast<int64_t>(attn_scratch_floats(plan.max_rows, hs, p.block_size)));
   const int64_t nworkers = std::max<int64_t>(1, std::min(threads, plan.num_jobs));
   const int64_t part_out_at = nworkers * scratch_floats;
   const int64_t part_lse_at = align_floats(part_out_at + plan.num_slots * plan.slot_rows * hs);
@@ -539,17 +546,53 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
       }
     }
   });
-  if (plan.num_merges > 0) {
-    at::parallel_for(0, plan.num_merges, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const int32_t* m = plan.merges + i * kMergeFields;
-        const int64_t row0 = m[kMergeSlot] * plan.slot_rows + m[kMergeRow0];
-        WorkItem item{m[kMergeReq], m[kMergeKvHead], m[kMergeQBegin], m[kMergeQEnd], 0,
-                      sl[m[kMergeReq]], part_out + row0 * hs, part_lse + row0, 1};
-        kt->merge(p, item, m[kMergeNSplit], plan.slot_rows * hs, plan.slot_rows);
-      }
-    });
-  }
+  if (plan.num_merges == 0) return;
+  at::parallel_for(0, plan.num_merges, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int32_t* m = plan.merges + i * kMergeFields;
+      const int64_t row0 = m[kMergeSlot] * plan.slot_rows + m[kMergeRow0];
+      WorkItem item{m[kMergeReq], m[kMergeKvHead], m[kMergeQBegin], m[kMergeQEnd], 0,
+                    p.seq_lens[m[kMergeReq]], part_out + row0 * hs, part_lse + row0, 1};
+      kt->merge(p, item, m[kMergeNSplit], plan.slot_rows * hs, plan.slot_rows);
+    }
+  });
+}
+}  // namespace
+
+// check -> params -> plan lookup -> execute.
+void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, at::Tensor& output,
+                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                 double scale, bool causal,
+                                 const std::optional<at::Tensor>& alibi_slopes,
+                                 int64_t sliding_window_left, int64_t sliding_window_right,
+                                 const at::Tensor& block_table, double softcap,
+                                 const at::Tensor& scheduler_metadata,
+                                 const std::optional<at::Tensor>& s_aux, double k_scale,
+                                 double v_scale) {
+  CallShape c{};
+  check_attention_tensors(query, key_cache, value_cache, output, c);
+  check_batch_tensors(query_start_loc, seq_lens, block_table, c);
+  check_scalars(scale, softcap, k_scale, v_scale, sliding_window_left, sliding_window_right);
+  const at::Tensor alibi_f = per_head_floats(alibi_slopes, "alibi_slopes", c.num_heads, false);
+  const at::Tensor sink_f = per_head_floats(s_aux, "s_aux", c.num_heads, true);
+
+  check_index_tensor(scheduler_metadata, "scheduler_metadata", at::kInt, 1);
+  const at::Tensor meta_c = scheduler_metadata.contiguous();
+  const at::Tensor qsl_c = query_start_loc.contiguous(), sl_c = seq_lens.contiguous();
+  const int32_t* qsl = qsl_c.data_ptr<int32_t>();
+  const int32_t* sl = sl_c.data_ptr<int32_t>();
+  check_lengths(qsl, sl, c.num_reqs, c.num_tokens);
+  const CheckedPlan plan =
+      check_plan(meta_c, c.num_reqs, c.num_heads, c.num_kv_heads, c.head_size, qsl, sl);
+  check_block_size(c.block_size, plan.hint, "kv cache");
+
+  const AttnParams p = make_params(c, query, key_cache, value_cache, output, block_table, qsl,
+                                   sl, scale, causal, alibi_f, sliding_window_left,
+                                   sliding_window_right, softcap, sink_f, k_scale, v_scale);
+  check_block_ids(p, c, block_table.size(1));
+  if (c.num_tokens == 0 || plan.num_jobs == 0) return;
+  execute_plan(p, plan, c.head_size);
 }
 
 }  // namespace pagedattn

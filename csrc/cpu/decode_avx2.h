@@ -172,7 +172,7 @@ struct QkAvx2 {
   using S = typename SrcOf<C>::type;
   using QElem = float;
   using V = __m256;
-  static constexpr int kMaxD = 512;  // kernel_shapes.py MAX_HEAD_SIZE
+  static constexpr int kMaxD = static_cast<int>(kMaxHeadSize);
 
   static void pack(const T* src, QElem* dst, int D) {
     alignas(32) float tmp[kMaxD];
@@ -281,7 +281,7 @@ template <class C, class T>
 struct PvAvx2 {
   using S = typename SrcOf<C>::type;
   using V = __m256;
-  static constexpr int kMaxD = 512;
+  static constexpr int kMaxD = static_cast<int>(kMaxHeadSize);
 
   static void finish_row(float* acc, int D) {
     alignas(32) float tmp[kMaxD];

@@ -11,6 +11,7 @@
 
 #include "isa_generated.h"
 #include "kernel_api.h"
+#include "kernel_shapes_generated.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
