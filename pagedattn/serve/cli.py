@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from pagedattn.engine.cli import add_engine_arguments, describe_engine, engine_args
@@ -62,5 +63,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"  {describe_engine(llm)}", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
-    uvicorn.Server(config).run()
+    _graceful_server(uvicorn)(config).run()
     return 0
+
+
+def _graceful_server(uvicorn):
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises a captured SIGTERM once its graceful shutdown is done, so
+        the process would die of the signal (status -15); a shutdown that finished or
+        aborted its requests within --shutdown-timeout is a clean exit (0) here."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    return GracefulServer
