@@ -3,7 +3,7 @@ client), next to the offline engine on the same prompts, in the same run.
 
 Workload W2 of engine_workloads.py: 32 chat prompts of 20-200 tokens, 128 new tokens
 each, EOS ignored, greedy; prompts are sent as token ids so every peer sees the same
-tokens. Per client count: output tok/s (all tokens / wall time), TTFT and inter-token
+tokens; prefix caching is off everywhere. Per client count: output tok/s (all tokens / wall time), TTFT and inter-token
 latency p50/p99. Offline: ``LLM.generate`` on all prompts (tok/s) and the TTFT of one
 prompt alone (the 1-client reference). With ``--vllm-python``, vLLM's OpenAI server
 (its CPU engine, no pagedattn plugin) gets the same client load.
@@ -157,7 +157,9 @@ def main() -> int:
     from pagedattn.models.loader import resolve_model
 
     model_dir = resolve_model(args.model)
-    llm = LLM(model=args.model, dtype=args.dtype)
+    # Prefix caching off for every peer: the warm-up and repeated prompts would otherwise
+    # be cache hits for some peers and runs and not others (TTFT would compare cache states).
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
     prompts, n = workloads(llm.tokenizer)["W2"]
     n = args.max_tokens or n
     print(f"W2: {len(prompts)} prompts, {n} new tokens each (EOS ignored), greedy")
@@ -171,13 +173,14 @@ def main() -> int:
     port = _free_port()
     peers.append(("pagedattn", [sys.executable, "-m", "pagedattn", "serve", "--model",
                                 args.model, "--dtype", args.dtype, "--host", HOST,
-                                "--port", str(port), "--log-level", "warning"],
+                                "--port", str(port), "--log-level", "warning",
+                                "--no-prefix-caching"],
                   env, port, args.model))
     if args.vllm_python:
         port = _free_port()
         peers.append(("vllm", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                                "--model", model_dir, "--dtype", "bfloat16", "--host", HOST,
-                               "--port", str(port)],
+                               "--port", str(port), "--no-enable-prefix-caching"],
                       {**env, "PAGEDATTN_VLLM": "0"}, port, model_dir))
     print(f"{'server':<10} {'clients':>7} {'tok/s':>8} {'x offline':>9} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}   (ms)")
