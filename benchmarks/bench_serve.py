@@ -150,6 +150,9 @@ def main() -> int:
                    help="prompts run at 1 client (sequential runs are slow)")
     p.add_argument("--vllm-python", default=None,
                    help="a python with vLLM installed: also serve with vLLM's OpenAI server")
+    p.add_argument("--hf-dir", default=os.path.expanduser("~/.cache/pagedattn/smollm2-hf"),
+                   help="where the Hugging Face copy of SmolLM2 for vLLM is made (once)")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args()
     client_counts = [int(c) for c in args.clients.split(",")]
 
@@ -177,11 +180,19 @@ def main() -> int:
                                 "--no-prefix-caching"],
                   env, port, args.model))
     if args.vllm_python:
+        # vLLM reads no GGUF: the same converted checkpoint bench_engine.py gives it.
+        from pagedattn.integrations.vllm.workloads import smollm2_checkpoint
+
+        hf_dir = str(smollm2_checkpoint(args.hf_dir)) if args.model == "smollm2" else model_dir
         port = _free_port()
+        venv = {**env, "PAGEDATTN_VLLM": "0",  # vLLM's own kernels, not our plugin's
+                "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2",
+                "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         peers.append(("vllm", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                               "--model", model_dir, "--dtype", "bfloat16", "--host", HOST,
-                               "--port", str(port), "--no-enable-prefix-caching"],
-                      {**env, "PAGEDATTN_VLLM": "0"}, port, model_dir))
+                               "--model", hf_dir, "--dtype", "bfloat16", "--host", HOST,
+                               "--port", str(port), "--max-model-len", "4096",
+                               "--no-enable-prefix-caching"], venv, port, hf_dir))
     print(f"{'server':<10} {'clients':>7} {'tok/s':>8} {'x offline':>9} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}   (ms)")
     for name, cmd, penv, pport, served in peers:
