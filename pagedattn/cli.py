@@ -6,6 +6,7 @@
                         ``pagedattn bench --help``)
     pagedattn generate  generate text with a model through the engine (SmolLM2 built in)
     pagedattn embed     sentence embeddings with an encoder (MiniLM built in)
+    pagedattn serve     an OpenAI-compatible HTTP server on the engine
 """
 
 from __future__ import annotations
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     emb = sub.add_parser("embed", help="sentence embeddings with an encoder (default: MiniLM)")
     engine_cli.add_embed_arguments(emb)
     emb.set_defaults(func=engine_cli.cmd_embed)
+    from pagedattn.serve import cli as serve_cli
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: SmolLM2 on "
+                           "127.0.0.1:8000)")
+    serve_cli.add_serve_arguments(serve)
+    serve.set_defaults(func=serve_cli.cmd_serve)
     return parser
 
 

@@ -105,7 +105,7 @@ class LLMEngine:
         if not out.num_scheduled_tokens:
             return StepResult([], [])
         t0 = time.perf_counter()
-        sampled = self.runner.execute(out)
+        sampled, logprobs = self.runner.execute(out)
         now = time.perf_counter()
         stats = self.stats
         if any(n > 1 for n in out.num_scheduled_tokens.values()):
@@ -118,10 +118,14 @@ class LLMEngine:
         finished = []
         for req in got_token:
             stats.num_output_tokens += 1
+            if req.req_id in logprobs:
+                req.output_logprobs.append(logprobs[req.req_id])
             if req.first_token_time is None:
                 req.first_token_time = now
                 stats.ttfts.append(now - req.arrival_time)
-            if not req.is_finished and req.sampling_params.stop and self._hit_stop(req):
+            sp = req.sampling_params
+            if not req.is_finished and sp.stop and len(req.output_token_ids) >= sp.min_tokens \
+                    and self._hit_stop(req):
                 self.scheduler.finish_request(req, FinishReason.STOP)
             if req.is_finished:
                 self.runner.forget(req.req_id)

@@ -17,7 +17,7 @@ from pagedattn.backend import CommonAttentionMetadata
 from pagedattn.engine.attention import AttentionStack
 from pagedattn.engine.input_batch import InputBatch
 from pagedattn.engine.request import Request
-from pagedattn.engine.sampler import sample
+from pagedattn.engine.sampler import SamplerOutput, sample
 from pagedattn.engine.scheduler import SchedulerOutput
 from pagedattn.paging import (
     cdiv,
@@ -92,8 +92,9 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long), positions, common, query_lens
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns the token sampled for each request that got one."""
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict]:
+        """Run one step; returns the token sampled for each request that got one, and
+        the logprobs (``sampler.TokenLogprobs``) of those that asked for them."""
         input_ids, positions, common, query_lens = self.prepare(out)
         attn_metadata = self.builder.build(0, common)
         hidden = self.forward_fn(input_ids, positions, self.kv_caches, attn_metadata)
@@ -105,8 +106,10 @@ class ModelRunner:
                 rows.append(qsl[i + 1] - 1)
                 sampled_reqs.append(r)
         if not rows:
-            return {}
+            return {}, {}
         logits = self.model.compute_logits(hidden[rows]).float()
-        tokens = sample(logits, [r.sampling_params for r in sampled_reqs],
-                        [self._generator(r) for r in sampled_reqs])
-        return {r.req_id: t for r, t in zip(sampled_reqs, tokens)}
+        result: SamplerOutput = sample(logits, sampled_reqs,
+                                       [self._generator(r) for r in sampled_reqs])
+        tokens = {r.req_id: t for r, t in zip(sampled_reqs, result.tokens)}
+        logprobs = {r.req_id: lp for r, lp in zip(sampled_reqs, result.logprobs) if lp is not None}
+        return tokens, logprobs

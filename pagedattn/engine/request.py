@@ -38,6 +38,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    """With ``sampling_params.logprobs``: one ``sampler.TokenLogprobs`` per output token."""
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

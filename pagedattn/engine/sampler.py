@@ -1,32 +1,100 @@
-"""Token sampling: greedy, or temperature + top-k + top-p with a per-request generator."""
+"""Token sampling: greedy, or temperature + top-k + top-p with a per-request generator.
+
+Before picking, :func:`apply_logits_processors` applies the per-request rules that
+depend on what the request has seen: the repetition penalty and ``min_tokens`` (which
+bans the tokens that would stop it early).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.engine.request import Request
+
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+"""``(logprob of the sampled token, [(token id, logprob)] of the top alternatives)``."""
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` (``[n, vocab]``)."""
-    if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).tolist()
-    out = []
-    for row, p, gen in zip(logits.float(), params, generators):
-        if p.greedy:
-            out.append(int(row.argmax()))
-            continue
-        row = row / p.temperature
-        if 0 < p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always the top token)
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return out
+@dataclass(frozen=True)
+class SamplerOutput:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    """One entry per row; ``None`` where the request asked for no logprobs."""
+
+
+def _banned_tokens(req: Request) -> list[int]:
+    """Tokens that would end ``req`` before its ``min_tokens``."""
+    sp = req.sampling_params
+    if len(req.output_token_ids) >= sp.min_tokens:
+        return []
+    banned = list(sp.stop_token_ids)
+    if not sp.ignore_eos and req.eos_token_id is not None:
+        banned.append(req.eos_token_id)
+    return banned
+
+
+def apply_logits_processors(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """``logits`` (``[n, vocab]`` float32, one row per request) with the repetition
+    penalty and ``min_tokens`` bans applied, in place."""
+    vocab = logits.shape[-1]
+    for i, req in enumerate(reqs):
+        penalty = req.sampling_params.repetition_penalty
+        if penalty != 1.0:
+            seen = torch.tensor(sorted({t for t in req.prompt_token_ids + req.output_token_ids
+                                        if 0 <= t < vocab}), dtype=torch.long)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        banned = [t for t in _banned_tokens(req) if 0 <= t < vocab]
+        if banned:
+            logits[i, banned] = float("-inf")
+    return logits
+
+
+def _needs_processing(req: Request) -> bool:
+    sp = req.sampling_params
+    return sp.repetition_penalty != 1.0 or len(req.output_token_ids) < sp.min_tokens
+
+
+def _logprobs(row: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    logp = torch.log_softmax(row, dim=-1)
+    alternatives = []
+    if top > 0:
+        values, ids = torch.topk(logp, top)
+        alternatives = list(zip(ids.tolist(), values.tolist()))
+    return float(logp[token]), alternatives
+
+
+def _pick(row: torch.Tensor, req: Request, gen: torch.Generator | None) -> int:
+    p = req.sampling_params
+    if p.greedy:
+        return int(row.argmax())
+    row = row / p.temperature
+    if 0 < p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always the top token)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def sample(logits: torch.Tensor, reqs: list[Request],
+           generators: list[torch.Generator | None]) -> SamplerOutput:
+    """One token per row of ``logits`` (``[n, vocab]``), row ``i`` for ``reqs[i]``."""
+    plain = not any(_needs_processing(r) or r.sampling_params.logprobs is not None for r in reqs)
+    if plain and all(r.sampling_params.greedy for r in reqs):
+        return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(reqs))
+    logits = apply_logits_processors(logits.float(), reqs)
+    tokens, logprobs = [], []
+    for row, req, gen in zip(logits, reqs, generators):
+        token = _pick(row, req, gen)
+        tokens.append(token)
+        top = req.sampling_params.logprobs
+        logprobs.append(None if top is None else _logprobs(row, token, top))
+    return SamplerOutput(tokens, logprobs)

@@ -13,8 +13,16 @@ class SamplingParams:
     filtered by ``top_k`` (``-1`` or ``0`` = off) and ``top_p`` (nucleus, ``1.0`` = off)
     before sampling with a generator seeded by ``seed`` (``None`` = the engine's seed
     mixed with the request index, so runs are reproducible). Generation stops at
-    ``max_tokens`` new tokens, at the model's EOS token (unless ``ignore_eos``), or when
-    the text contains one of ``stop`` (the text is cut before it).
+    ``max_tokens`` new tokens, at the model's EOS token (unless ``ignore_eos``), at one
+    of ``stop_token_ids``, or when the text contains one of ``stop`` (the text is cut
+    before it); none of these stops it before ``min_tokens`` new tokens.
+
+    ``repetition_penalty`` (> 0, ``1.0`` = off) divides the positive logits and multiplies
+    the negative ones of every token already in the prompt or the output (CTRL's rule).
+    ``logprobs`` (``None`` = off) asks for the log-probability of each sampled token plus
+    the ``logprobs`` most likely alternatives, from the model's distribution after the
+    penalty and before temperature. ``skip_special_tokens`` drops special tokens (EOS)
+    from the text.
     """
 
     temperature: float = 1.0
@@ -25,6 +33,10 @@ class SamplingParams:
     stop: list[str] | str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
@@ -37,12 +49,22 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < number("top_p") <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name, low in (("top_k", -1), ("max_tokens", 1)):
+        if number("repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name, low in (("top_k", -1), ("max_tokens", 1), ("min_tokens", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise TypeError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")

@@ -160,11 +160,17 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling_params
+        if len(req.output_token_ids) < sp.min_tokens:  # the sampler banned the stop tokens
+            return self._length_reason(req)
         if not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
             return FinishReason.STOP
         if token in sp.stop_token_ids:
             return FinishReason.STOP
-        if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        return self._length_reason(req)
+
+    def _length_reason(self, req: Request) -> FinishReason | None:
+        if len(req.output_token_ids) >= req.sampling_params.max_tokens \
+                or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -1,0 +1,81 @@
+"""``pagedattn serve``: load a model, print what runs where, serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from pagedattn.engine.cli import add_engine_arguments, describe_engine, engine_args
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="HF model directory, .gguf file, or built-in name (smollm2, minilm)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: --model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 503 + Retry-After while this many requests wait (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM, seconds to let requests in flight finish before aborting them")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the sampling of requests that bring no seed")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_arguments(p)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from pagedattn.serve.app import build_app
+    except ImportError as exc:
+        print(f"pagedattn serve needs the 'serve' extra (pip install 'pagedattn[serve]'): {exc}",
+              file=sys.stderr)
+        return 2
+    from pagedattn import LLM
+
+    try:
+        _check(args)
+    except ValueError as exc:
+        print(f"pagedattn serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    llm = LLM(**vars(engine_args(args, seed=args.seed)))
+    name = args.served_model_name or args.model
+    app = build_app(llm, name, args.api_key, args.max_queued_requests)
+    print(f"pagedattn serve: http://{args.host}:{args.port}/v1 serving {name!r}", flush=True)
+    print(f"  {describe_engine(llm)}", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
+    _graceful_server(uvicorn)(config).run()
+    return 0
+
+
+def _graceful_server(uvicorn):
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises a captured SIGTERM once its graceful shutdown is done, so
+        the process would die of the signal (status -15); a shutdown that finished or
+        aborted its requests within --shutdown-timeout is a clean exit (0) here."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    return GracefulServer

@@ -1,0 +1,265 @@
+"""The bridge between asyncio handlers and the engine: one thread owns the engine.
+
+Handlers never touch the engine. They :meth:`EngineLoop.submit` a request (which puts a
+command in a thread-safe inbox and returns a :class:`RequestStream`) and read
+:class:`Delta` s from it; :meth:`EngineLoop.abort` queues an abort the same way. The
+engine thread drains the inbox between steps (so a request that arrives mid-step joins
+the next one), runs ``step()`` while anything is unfinished, turns each sampled request
+into a delta (new text, tokens, logprobs, finish reason) and hands a step's deltas to the
+asyncio loop in one ``call_soon_threadsafe``. A failure while handling one request fails
+that request alone; the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pagedattn.engine.llm_engine import LLMEngine
+from pagedattn.engine.request import FinishReason, Request
+from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.serve.metrics import ServeMetrics
+
+log = logging.getLogger("pagedattn.serve")
+
+
+@dataclass
+class Delta:
+    """What one request got in one step (or its end)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    """``sampler.TokenLogprobs`` of ``token_ids`` (empty unless asked for)."""
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    error_status: int = 500
+    """HTTP status for ``error``: 400 for a request the engine rejects, 500 otherwise."""
+
+
+class RequestStream:
+    """The asyncio side of one request: its deltas, in order."""
+
+    def __init__(self, req_id: str) -> None:
+        self.req_id = req_id
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.finished = False
+
+    async def next(self) -> Delta:
+        delta = await self.queue.get()
+        if delta.finish_reason is not None or delta.error is not None:
+            self.finished = True
+        return delta
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread state of one request."""
+
+    stream: RequestStream
+    aloop: asyncio.AbstractEventLoop
+    num_prompt_tokens: int
+    arrival: float
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass(frozen=True)
+class _Add:
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tracked: _Tracked
+
+
+class EngineLoop:
+    """Owns ``engine`` in a background thread; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServeMetrics | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._thread = threading.Thread(target=self._run, name="pagedattn-engine", daemon=True)
+        self._stopping = threading.Event()
+        # Written by the engine thread, read by handlers (ints: atomic under the GIL).
+        self.num_running = 0
+        self.num_in_flight = 0  # submitted and not finished (handler side)
+
+    # ------------------------------------------------------------------ asyncio side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left and join the engine thread."""
+        self._stopping.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted and not yet running."""
+        return max(0, self.num_in_flight - self.num_running)
+
+    def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
+               arrival: float | None = None) -> RequestStream:
+        stream = RequestStream(req_id)
+        tracked = _Tracked(stream, asyncio.get_running_loop(), len(prompt_ids),
+                           arrival if arrival is not None else time.perf_counter())
+        self.num_in_flight += 1
+        self._inbox.put(_Add(req_id, list(prompt_ids), params, tracked))
+        return stream
+
+    def release(self, stream: RequestStream) -> None:
+        """The handler is done with ``stream``: abort the request if it still runs
+        (client gone, or the server shutting down)."""
+        self.num_in_flight -= 1
+        if not stream.finished:
+            self._inbox.put(stream.req_id)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished() and not self._stopping.is_set():
+                self._step()
+        for req_id in list(self._tracked):
+            self._fail(req_id, "the server is shutting down", 503)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif isinstance(cmd, str):
+                self._abort(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self.num_running = len(self.engine.scheduler.running)
+
+    def _add(self, cmd: _Add) -> None:
+        self._tracked[cmd.req_id] = cmd.tracked
+        try:
+            self.engine.add_request(cmd.prompt_ids, cmd.params, cmd.req_id)
+        except ValueError as exc:
+            self._fail(cmd.req_id, str(exc), 400)
+
+    def _abort(self, req_id: str) -> None:
+        tracked = self._tracked.pop(req_id, None)
+        if self.engine.abort(req_id) and self.metrics is not None and tracked is not None:
+            self.metrics.finished(FinishReason.ABORT.value, time.perf_counter() - tracked.arrival)
+
+    def _fail(self, req_id: str, message: str, status: int) -> None:
+        tracked = self._tracked.pop(req_id, None)
+        self.engine.abort(req_id)
+        if tracked is not None:
+            _post(tracked.aloop, [(tracked.stream, Delta(error=message, error_status=status))])
+            if self.metrics is not None:
+                self.metrics.finished(FinishReason.ERROR.value, time.perf_counter() - tracked.arrival)
+
+    def _step(self) -> None:
+        try:
+            result = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - one step's failure must not end the loop
+            # The step cannot say which request broke it: fail the ones it ran.
+            log.exception("engine step failed")
+            for req in list(self.engine.scheduler.running):
+                self._fail(req.req_id, f"internal error in the engine step: {exc}", 500)
+            return
+        now = time.perf_counter()
+        out: dict[asyncio.AbstractEventLoop, list] = {}
+        for req in result.sampled:
+            tracked = self._tracked.get(req.req_id)
+            if tracked is None:
+                continue
+            try:
+                delta = self._process(req, tracked, now)
+            except Exception as exc:  # noqa: BLE001 - fail this request alone
+                log.exception("request %s failed", req.req_id)
+                self._fail(req.req_id, f"internal error while processing the request: {exc}", 500)
+                continue
+            out.setdefault(tracked.aloop, []).append((tracked.stream, delta))
+            if delta.finish_reason is not None:
+                self._tracked.pop(req.req_id, None)
+                self._log_finished(req, tracked, now)
+        for aloop, items in out.items():
+            _post(aloop, items)
+        self.num_running = len(self.engine.scheduler.running)
+        if self.metrics is not None:
+            self.metrics.after_step(self.engine)
+
+    def _process(self, req: Request, tracked: _Tracked, now: float) -> Delta:
+        """The delta of ``req`` since the last one: its new tokens, and the new text
+        that is final (see :meth:`_text`)."""
+        new_tokens = req.output_token_ids[tracked.sent_tokens:]
+        logprobs = req.output_logprobs[tracked.sent_tokens:tracked.sent_tokens + len(new_tokens)]
+        tracked.sent_tokens += len(new_tokens)
+        if self.metrics is not None:
+            if tracked.first_token is None:
+                self.metrics.ttft.observe(now - tracked.arrival)
+            else:
+                self.metrics.itl.observe(now - tracked.last_token)
+        if tracked.first_token is None:
+            tracked.first_token = now
+        tracked.last_token = now
+        text = self._text(req)
+        delta_text = text[tracked.sent_chars:]
+        tracked.sent_chars = max(tracked.sent_chars, len(text))
+        finish = str(req.finish_reason) if req.is_finished else None
+        if finish is not None and self.metrics is not None:
+            self.metrics.finished(finish, now - tracked.arrival)
+        return Delta(delta_text, list(new_tokens), list(logprobs), finish,
+                     tracked.num_prompt_tokens, len(req.output_token_ids))
+
+    def _text(self, req: Request) -> str:
+        """The text of ``req``'s output that can no longer change: at the end, cut before
+        the first stop string; before it, without the last ``len(longest stop) - 1``
+        characters (they may start a stop string) nor a trailing partial character."""
+        sp = req.sampling_params
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
+        if req.is_finished:
+            cuts = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
+            return text[:min(cuts)] if cuts else text
+        hold = max((len(s) for s in sp.stop), default=1) - 1
+        end = len(text) - hold
+        if text.endswith("\ufffd"):
+            end = min(end, len(text) - 1)
+        return text[:max(end, 0)]
+
+    def _log_finished(self, req: Request, tracked: _Tracked, now: float) -> None:
+        ttft = (tracked.first_token - tracked.arrival) if tracked.first_token else 0.0
+        n = len(req.output_token_ids)
+        decode_time = now - tracked.first_token if tracked.first_token else 0.0
+        rate = (n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0
+        log.info("%s: %d prompt + %d completion tokens, TTFT %.1f ms, %.1f tok/s, finish %s",
+                 req.req_id, tracked.num_prompt_tokens, n, ttft * 1e3, rate, req.finish_reason)
+
+
+def _deliver(items: list[tuple[RequestStream, Delta]]) -> None:
+    for stream, delta in items:
+        stream.queue.put_nowait(delta)
+
+
+def _post(aloop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, Delta]]) -> None:
+    try:
+        aloop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:  # the asyncio loop is closed: nobody is listening any more
+        pass

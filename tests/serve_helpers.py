@@ -1,0 +1,78 @@
+"""Shared by the serve tests: an in-process server on a free 127.0.0.1 port, and the
+offline reference answers its outputs are compared with."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from pagedattn.serve.app import build_app  # noqa: E402
+
+HOST = "127.0.0.1"  # every test server listens here and nowhere else
+
+
+@contextmanager
+def serve_in_thread(llm, **app_kwargs):
+    """``(base_url, app)`` of a server on ``llm`` running in a thread until the block ends.
+    The socket is bound here (port 0), so no other process can take the port meanwhile."""
+    app = build_app(llm, **app_kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((HOST, 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://{HOST}:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def client(base_url: str, api_key: str = "none", **kwargs):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0,
+                         timeout=120, **kwargs)
+
+
+def async_client(base_url: str, api_key: str = "none"):
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0,
+                              timeout=300)
+
+
+def wait_idle(app, timeout: float = 5.0) -> tuple[int, int, int]:
+    """Wait until the server's engine holds no request; ``(blocks used, running, waiting)``."""
+    engine = app.state.serve.llm.engine
+    deadline = time.monotonic() + timeout
+    while True:
+        pool, sched = engine.kv.pool, engine.scheduler
+        state = (pool.num_blocks - pool.num_free_blocks, len(sched.running), len(sched.waiting))
+        if state == (0, 0, 0) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.02)
+
+
+def expected_text(tokenizer, ids: list[int], eos: int, max_tokens: int) -> tuple[str, str]:
+    """``(text, finish_reason)`` of a greedy answer cut at ``max_tokens`` from the offline
+    token ids ``ids`` of a longer (or EOS-ended) run."""
+    cut = ids[:max_tokens]
+    if eos in cut:
+        cut = cut[:cut.index(eos) + 1]
+        return tokenizer.decode(cut, skip_special_tokens=True), "stop"
+    assert len(cut) == max_tokens, "the offline reference is shorter than max_tokens"
+    return tokenizer.decode(cut, skip_special_tokens=True), "length"

@@ -1,0 +1,82 @@
+"""The sampler's per-request rules (min_tokens, repetition_penalty, logprobs) and the
+validation of the SamplingParams fields that carry them; no model needed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedattn.engine.request import Request
+from pagedattn.engine.sampler import apply_logits_processors, sample
+from pagedattn.engine.sampling_params import SamplingParams
+
+EOS = 3
+
+
+def _req(prompt=(5, 6), output=(), **sp) -> Request:
+    req = Request("r", list(prompt), SamplingParams(**{"temperature": 0, **sp}), eos_token_id=EOS)
+    req.output_token_ids = list(output)
+    return req
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
+    logits = torch.zeros(1, 8)
+    logits[0, EOS] = 10.0
+    logits[0, 7] = 9.0
+    logits[0, 1] = 1.0
+    req = _req(min_tokens=2, stop_token_ids=[7])
+    assert sample(logits.clone(), [req], [None]).tokens == [1]
+    req.output_token_ids = [1, 1]  # min_tokens reached: EOS allowed again
+    assert sample(logits.clone(), [req], [None]).tokens == [EOS]
+
+
+def test_min_tokens_keeps_eos_with_ignore_eos():
+    logits = torch.zeros(1, 8)
+    logits[0, EOS] = 10.0
+    req = _req(min_tokens=2, ignore_eos=True)
+    assert sample(logits, [req], [None]).tokens == [EOS]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 0.5, 0.0, 0.0, 0.0]])
+    out = apply_logits_processors(logits.clone(), [_req(prompt=(0, 1), output=(4,),
+                                                        repetition_penalty=2.0)])
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0, 0.25, 0.0, 0.0, 0.0]]
+
+
+def test_repetition_penalty_changes_the_greedy_pick():
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])
+    assert sample(logits.clone(), [_req(prompt=(0,))], [None]).tokens == [0]
+    assert sample(logits.clone(), [_req(prompt=(0,), repetition_penalty=2.0)], [None]).tokens == [1]
+
+
+def test_logprobs_of_sampled_token_and_top_alternatives():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    out = sample(logits.clone(), [_req(logprobs=2), _req()][:1], [None])
+    lp, top = out.logprobs[0]
+    ref = torch.log_softmax(logits[0], -1)
+    assert out.tokens == [1]
+    assert math.isclose(lp, float(ref[1]), rel_tol=1e-6)
+    assert [t for t, _ in top] == [1, 2]
+    assert math.isclose(top[1][1], float(ref[2]), rel_tol=1e-6)
+
+
+def test_logprobs_only_for_requests_that_ask():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 0.0]])
+    out = sample(logits, [_req(), _req(logprobs=0)], [None, None])
+    assert out.tokens == [1, 2]
+    assert out.logprobs[0] is None
+    assert out.logprobs[1][1] == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(min_tokens=-1), "min_tokens must be an int >= 0, got -1"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens must be <= max_tokens=4, got 5"),
+    (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    (dict(logprobs=-1), "logprobs must be None or an int >= 0, got -1"),
+])
+def test_bad_values_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)

@@ -1,0 +1,160 @@
+"""Server limits and lifecycle: API key, full queue, embeddings on an encoder, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_helpers import HOST, client, serve_in_thread, wait_idle
+
+from pagedattn import LLM
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def limited():
+    """One request runs at a time, one may wait, the rest get 503; /v1 needs KEY."""
+    llm = LLM(model="smollm2", max_num_seqs=1)
+    with serve_in_thread(llm, api_key=KEY, max_queued_requests=1) as (url, app):
+        yield url, app
+
+
+def test_api_key_required_on_v1_routes(limited):
+    import openai
+
+    url, _ = limited
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        client(url, api_key="wrong").models.list()
+    for headers in ({}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "smollm2", "prompt": "hi"},
+                       headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert client(url, api_key=KEY).models.list().data[0].id == "smollm2"
+    assert httpx.get(f"{url}/health").status_code == 200  # open: probes carry no key
+
+
+def test_full_queue_answers_503_with_retry_after(limited):
+    url, app = limited
+    oai = client(url, api_key=KEY)
+    running = oai.completions.create(model="smollm2", prompt="Count:", max_tokens=400,
+                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(running))  # it holds the only running slot now
+    queued = {}
+
+    def wait_in_queue():
+        queued["r"] = httpx.post(f"{url}/v1/completions", timeout=120,
+                                 headers={"Authorization": f"Bearer {KEY}"},
+                                 json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+
+    t = threading.Thread(target=wait_in_queue)
+    t.start()
+    loop = app.state.serve.loop
+    deadline = time.monotonic() + 10
+    while loop.num_queued < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503, r.text
+    assert r.headers["Retry-After"] == "1"
+    assert "--max-queued-requests=1" in r.json()["error"]["message"]
+    running.close()  # frees the slot: the queued request runs and completes
+    t.join(60)
+    assert queued["r"].status_code == 200
+    assert wait_idle(app) == (0, 0, 0)
+
+
+def test_embeddings_on_an_encoder():
+    import openai
+
+    llm = LLM(model="minilm", dtype="float32")
+    want = llm.embed(["a cat sat on the mat", "stock markets fell"])
+    with serve_in_thread(llm) as (url, _):
+        oai = client(url)
+        got = oai.embeddings.create(model="minilm", input=["a cat sat on the mat",
+                                                           "stock markets fell"])
+        assert len(got.data) == 2 and got.usage.prompt_tokens > 0
+        for row, ref in zip(got.data, want):
+            assert row.embedding == pytest.approx(ref.tolist(), abs=1e-6)
+        floats = oai.embeddings.create(model="minilm", input="a cat sat on the mat",
+                                       encoding_format="float")
+        assert floats.data[0].embedding == pytest.approx(want[0].tolist(), abs=1e-6)
+        with pytest.raises(openai.BadRequestError, match="decoder model"):
+            oai.completions.create(model="minilm", prompt="hi")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise TimeoutError("the server did not come up")
+
+
+def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0():
+    port = _free_port()
+    url = f"http://{HOST}:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedattn", "serve", "--model", "smollm2", "--host", HOST,
+         "--port", str(port), "--shutdown-timeout", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait_up(url, proc)
+        oai = client(url)
+        results = {}
+
+        def run(name, max_tokens):
+            text, finish = "", None
+            try:
+                for c in oai.completions.create(model="smollm2", prompt="Count to ten:",
+                                                max_tokens=max_tokens, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}):
+                    text += c.choices[0].text
+                    finish = c.choices[0].finish_reason or finish
+            except Exception as exc:  # noqa: BLE001 - the long one is cut off
+                finish = f"cut: {type(exc).__name__}"
+            results[name] = finish
+
+        threads = [threading.Thread(target=run, args=("short", 12)),
+                   threading.Thread(target=run, args=("long", 5000))]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # both are running
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.TransportError):  # no new connections once shutting down
+            httpx.get(f"{url}/health", timeout=2)
+        assert proc.wait(timeout=30) == 0
+        elapsed = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+        assert results["short"] == "length"
+        assert results["long"] != "length"
+        assert elapsed < 4 + 10, elapsed
+        out = proc.stdout.read()
+        assert "pagedattn serve: http://127.0.0.1:" in out and "KV cache" in out
+        assert "prompt +" in out  # the per-request log line
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
