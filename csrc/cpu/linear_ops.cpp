@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "binding_utils.h"
 
@@ -99,29 +100,28 @@ at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_we
   TORCH_CHECK_NOT_IMPLEMENTED(kt->linear_dpbf16_block != nullptr,
                               "packed_linear_dpbf16 needs the avx512bf16 kernels (a CPU with "
                               "AVX512-BF16); the kernels in use are ", kt->name);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, out_features}, x.options());
   if (m == 0) return out;
   if (k == 0) return bias_c.defined() ? out.copy_(bias_c.expand({m, out_features})) : out.zero_();
 
-  // x rounded to bf16 once per call (torch's conversion rounds to nearest even), padded to
-  // whole k pairs with a zero so the last pair never reads past the row.
-  at::Tensor xb = at::empty({m, 2 * k_pairs}, x.options().dtype(at::kBFloat16));
-  if (k % 2 != 0) xb.select(1, k).zero_();
-  xb.narrow(1, 0, k).copy_(x);
-  const LinearDpParams p{reinterpret_cast<const bf16_t*>(xb.data_ptr()), xb.stride(0),
+  const LinearDpParams p{xc.data_ptr<float>(), xc.stride(0),
                          reinterpret_cast<const bf16_t*>(packed_weight.data_ptr()),
                          bias_c.defined() ? bias_c.data_ptr<float>() : nullptr,
-                         out.data_ptr<float>(), out.stride(0), m, out_features, k_pairs};
-  // Threads split the panels in whole groups of the microkernel's 4-panel tile.
+                         out.data_ptr<float>(), out.stride(0), m, out_features, k, k_pairs};
+  // Threads split the panels in whole groups of the microkernel's 4-panel tile; each rounds
+  // its row block to bf16 into its own buffer (kept between calls: no allocation per call).
   constexpr int64_t kGroup = 4;
   const int64_t groups = (panels + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(
       1, kMinChunkMacs / (std::min(m, kRowBlock) * k * kLinearPanel * kGroup));
   at::parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
+    thread_local std::vector<bf16_t> x_bf16;
+    x_bf16.resize(std::max<size_t>(x_bf16.size(), std::min(m, kRowBlock) * 2 * k_pairs));
     const int64_t pb = gb * kGroup, pe = std::min(panels, ge * kGroup);
     for (int64_t mb = 0; mb < m; mb += kRowBlock)
-      kt->linear_dpbf16_block(p, mb, std::min(m, mb + kRowBlock), pb, pe);
+      kt->linear_dpbf16_block(p, mb, std::min(m, mb + kRowBlock), pb, pe, x_bf16.data());
   });
   return out;
 }

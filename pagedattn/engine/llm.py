@@ -28,6 +28,7 @@ from pagedattn.engine.scheduler import RequestRejectedError, Scheduler
 from pagedattn.kv_cache_spec import AttentionSpec
 from pagedattn.models.bert import BertConfig, BertModel
 from pagedattn.models.layers import pack_linear_layers
+from pagedattn.models.linear_paths import install_linear_paths
 from pagedattn.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedattn.models.loader import load_checkpoint, load_tokenizer, resolve_model
 
@@ -52,18 +53,18 @@ def native_half_matmul() -> bool:
         return False
 
 
-LINEAR_IMPLS = ("packed", "torch")
+LINEAR_IMPLS = ("auto", "packed", "torch")
 
 
 def parse_linear_impl(linear_impl: str | None) -> str:
-    """``None`` picks ``"packed"`` where the native extension is loaded."""
+    """``None`` picks ``"auto"`` where the native extension is loaded."""
     if linear_impl is None:
-        return "packed" if ops.native_available() else "torch"
+        return "auto" if ops.native_available() else "torch"
     if linear_impl not in LINEAR_IMPLS:
         raise ValueError(f"linear_impl must be one of {', '.join(LINEAR_IMPLS)}, got {linear_impl!r}")
-    if linear_impl == "packed" and not ops.native_available():
-        raise ValueError("linear_impl='packed' needs the native extension pagedattn._C, which "
-                         "is not loaded; use linear_impl='torch'")
+    if linear_impl != "torch" and not ops.native_available():
+        raise ValueError(f"linear_impl={linear_impl!r} needs the native extension pagedattn._C, "
+                         "which is not loaded; use linear_impl='torch'")
     return linear_impl
 
 
@@ -162,8 +163,10 @@ class LLM:
             (``"smollm2"``, ``"minilm"``) served from an installed package.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the KV cache and attention
             dtype, and the weights' unless ``linear_dtype`` says otherwise.
-        linear_impl: ``"packed"`` (default with the native extension): linear layers on
-            ``pagedattn.ops.packed_linear``, weights packed in ``dtype``, activations fp32;
+        linear_impl: ``"auto"`` (default with the native extension): fp32 activations,
+            weights in ``dtype``, each layer shape and row count on the path measured
+            fastest here (:mod:`pagedattn.models.linear_paths`; ``linear_plan`` says which);
+            ``"packed"``: every layer on ``pagedattn.ops.packed_linear``, activations fp32;
             ``"torch"``: ``nn.Linear`` in ``linear_dtype``.
         linear_dtype: with ``linear_impl="torch"``, dtype of the weights and activations
             around attention; ``None`` = ``dtype``, except on CPUs without a native
@@ -188,10 +191,10 @@ class LLM:
                  linear_impl: str | None = None) -> None:
         self.dtype = parse_dtype(dtype)
         self.linear_impl = parse_linear_impl(linear_impl)
-        if self.linear_impl == "packed":
+        if self.linear_impl != "torch":
             if linear_dtype is not None and parse_dtype(linear_dtype) != torch.float32:
-                raise ValueError(f"linear_impl='packed' computes in float32 (weights in dtype="
-                                 f"{dtype!r}); linear_dtype={linear_dtype!r} needs "
+                raise ValueError(f"linear_impl={self.linear_impl!r} takes float32 activations "
+                                 f"(weights in dtype={dtype!r}); linear_dtype={linear_dtype!r} needs "
                                  "linear_impl='torch'")
             self.linear_dtype = torch.float32
         elif linear_dtype is not None:
@@ -228,8 +231,11 @@ class LLM:
         net = (BertModel if self.is_encoder else LlamaForCausalLM)(cfg, impls, kv_dtype)
         net.load_weights(ckpt.weights())
         self.model = net.to(self.linear_dtype).eval()
+        self.linear_plan = None
         if self.linear_impl == "packed":
             pack_linear_layers(self.model, self.dtype)
+        elif self.linear_impl == "auto":
+            self.linear_plan = install_linear_paths(self.model, self.dtype)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.last_stats = GenerateStats()
         self._ids = itertools.count()
