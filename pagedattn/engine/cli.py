@@ -22,8 +22,11 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, help="attention backend (default: registry choice)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--linear-impl", choices=LINEAR_IMPLS, default=None,
-                   help="linear layers: packed native kernel (default with the extension) "
+                   help="linear layers: auto (default with the extension: the path measured "
+                        "fastest per layer shape and row count), the packed native kernel, "
                         "or torch nn.Linear")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the linear path each layer shape and row bucket got, and why")
 
 
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +58,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(model=args.model, dtype=args.dtype, backend=args.backend,
               linear_impl=args.linear_impl)
+    if args.verbose:
+        plan = llm.linear_plan
+        lines = plan.lines() if plan is not None else [f"linear paths: {llm.linear_impl} (forced)"]
+        print("\n".join(lines), file=sys.stderr)
     progress = len(prompts) > 1
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)

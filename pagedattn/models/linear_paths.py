@@ -386,6 +386,29 @@ def plan_layers(layers: list[MeasuredLinear], force: str | LinearPath | None = N
     return plan
 
 
+def describe_here() -> list[str]:
+    """``pagedattn info``'s lines: each weight dtype's candidates (or why a path is out),
+    and the cached choices when the cache's key is this machine's."""
+    lines = []
+    for dtype in ops.PACKED_LINEAR_DTYPES:
+        parts = []
+        for path in LinearPath:
+            reasons = unavailable_reasons(path, dtype)
+            parts.append(path.value if not reasons else f"({path.value}: {'; '.join(reasons)})")
+        lines.append(f"  {str(dtype).split('.')[-1]:<9} {', '.join(parts)}")
+    key, path = machine_key(), cache_path()
+    shapes = load_cache(key)
+    if shapes:
+        lines.append(f"  cached choices ({path}):")
+        for shape, entries in shapes.items():
+            chosen = ", ".join(f"{e.get('rows')}:{e.get('path')}" for e in entries)
+            lines.append(f"    {shape:<20} {chosen}")
+    else:
+        state = "none for this key" if path.exists() else "none"
+        lines.append(f"  cached choices: {state} ({path}; measured when a model loads)")
+    return lines
+
+
 def install_linear_paths(model: nn.Module, weight_dtype: torch.dtype,
                          force: str | LinearPath | None = None, budget_s: float = 10.0,
                          cache: bool = True) -> LinearPlan:
