@@ -117,14 +117,14 @@ def test_dispatch_follows_the_bucket_choices():
 
 
 def test_pack_dpbf16_layout():
-    w = torch.arange(37 * 5, dtype=torch.float32).view(37, 5)
+    w = torch.arange(37 * 5, dtype=torch.float32).view(37, 5)  # exact in bf16 (< 256)
     packed = ops.pack_linear_weight_dpbf16(w)
     assert packed.shape == (3, 3, 32) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
     for col in range(48):
         for kk in range(6):
-            expected = w[col, kk] if col < 37 and kk < 5 else 0.0
-            got = packed[col // 16, kk // 2, 2 * (col % 16) + kk % 2]
-            assert got == torch.tensor(expected).bfloat16(), (col, kk)
+            expected = float(w[col, kk]) if col < 37 and kk < 5 else 0.0
+            got = float(packed[col // 16, kk // 2, 2 * (col % 16) + kk % 2])
+            assert got == expected, (col, kk)
 
 
 @pytest.mark.parametrize("weight, exc, match", [
@@ -221,7 +221,7 @@ def test_install_measures_caches_and_reuses(cache_dir):
     net = small_net()
     x = torch.randn(3, 24)
     expected = net(x)
-    plan = lp.install_linear_paths(net, torch.float32)
+    plan = lp.install_linear_paths(net, torch.float32, busy=False)
     assert not any(isinstance(m, nn.Linear) for m in net.modules())
     torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
     assert list(plan.shapes) == ["24x40:float32", "40x24:float32"]  # shared by two layers
@@ -231,7 +231,7 @@ def test_install_measures_caches_and_reuses(cache_dir):
     assert data["key"] == lp.machine_key()
     assert data["key"]["threads"] == torch.get_num_threads()
     assert data["key"]["torch"] == torch.__version__
-    again = lp.install_linear_paths(small_net(), torch.float32)
+    again = lp.install_linear_paths(small_net(), torch.float32, busy=False)
     assert all(c.source == "cached" for cs in again.shapes.values() for c in cs)
     assert [c.path for c in again.shapes["24x40:float32"]] == [c.path for c in plan.shapes["24x40:float32"]]
     assert any("rows       1:" in line for line in again.lines())
@@ -241,7 +241,7 @@ def test_install_measures_caches_and_reuses(cache_dir):
 @pytest.mark.parametrize("damage", ["stale_threads", "stale_torch", "stale_flags", "garbage",
                                     "wrong_json", "bad_entry"])
 def test_stale_or_corrupt_cache_is_remeasured_and_rewritten(cache_dir, damage):
-    lp.install_linear_paths(small_net(), torch.float32)
+    lp.install_linear_paths(small_net(), torch.float32, busy=False)
     path = cache_dir / "linear-paths.json"
     data = json.loads(path.read_text())
     if damage.startswith("stale_"):
@@ -255,7 +255,7 @@ def test_stale_or_corrupt_cache_is_remeasured_and_rewritten(cache_dir, damage):
     else:
         data["shapes"]["24x40:float32"] = [{"rows": "1", "path": "no-such-path"}]
         path.write_text(json.dumps(data))
-    plan = lp.install_linear_paths(small_net(), torch.float32)
+    plan = lp.install_linear_paths(small_net(), torch.float32, busy=False)
     assert plan.shapes["24x40:float32"][0].source == "measured"
     rewritten = json.loads(path.read_text())
     assert rewritten["key"] == lp.machine_key()
@@ -266,13 +266,21 @@ def test_stale_or_corrupt_cache_is_remeasured_and_rewritten(cache_dir, damage):
 @needs_native
 def test_unwritable_cache_is_reported_not_raised(cache_dir):
     (cache_dir / "linear-paths.json").mkdir(parents=True)  # a directory where the file goes
-    plan = lp.install_linear_paths(small_net(), torch.float32)
+    plan = lp.install_linear_paths(small_net(), torch.float32, busy=False)
     assert plan.cache_error and all(c.source == "measured" for c in plan.shapes["24x40:float32"])
 
 
 @needs_native
+def test_busy_machine_measures_but_does_not_cache(cache_dir):
+    plan = lp.install_linear_paths(small_net(), torch.float32, busy="load average 9.0 > 2 cores")
+    assert all(c.source == "measured" for cs in plan.shapes.values() for c in cs)
+    assert "busy" in plan.cache_error and not (cache_dir / "linear-paths.json").exists()
+    assert any("not written: measured while busy" in line for line in plan.lines())
+
+
+@needs_native
 def test_time_cap_leaves_buckets_unmeasured_and_uncached(cache_dir):
-    plan = lp.install_linear_paths(small_net(), torch.float32, budget_s=0.0)
+    plan = lp.install_linear_paths(small_net(), torch.float32, budget_s=0.0, busy=False)
     assert all(c.source == "unmeasured" for cs in plan.shapes.values() for c in cs)
     assert not (cache_dir / "linear-paths.json").exists()
 
@@ -297,4 +305,4 @@ def test_forced_path_rejections(cache_dir, monkeypatch):
         lp.install_linear_paths(small_net(), torch.float32, force="dpbf16")
     monkeypatch.setenv(lp.FORCE_ENV, "fast")
     with pytest.raises(ValueError, match="got 'fast'"):
-        lp.install_linear_paths(small_net(), torch.float32)
+        lp.install_linear_paths(small_net(), torch.float32, busy=False)

@@ -18,6 +18,7 @@ out_features, weight dtype) at one row count per bucket (:data:`ROW_BUCKETS`), a
 fastest per bucket. Choices are cached in ``$XDG_CACHE_HOME/pagedattn/linear-paths.json``
 (default ``~/.cache``) under a key of CPU model, CPU flags, threads, torch version and the
 kernels' ISA; a file with another key, or one that cannot be read, is ignored and rewritten.
+Choices measured while other processes load the cores are used but not cached.
 ``PAGEDATTN_LINEAR_PATH=<path>`` (or ``force=``) skips the measurement and uses one path.
 """
 
@@ -31,7 +32,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -304,37 +305,41 @@ class LinearPlan:
                 "shapes": {s: [asdict(b) for b in bs] for s, bs in self.shapes.items()}}
 
 
-def _time_paths(layer: MeasuredLinear, rows: int, deadline: float,
-                rounds: int = 3, budget_s: float = 0.05) -> dict[str, float]:
-    """Best time (us) of each of ``layer``'s paths on ``rows`` random rows. Paths are timed
-    in turns (one call each per round) so a burst of load elsewhere hits them alike."""
-    x = torch.randn(rows, layer.in_features)
-    runners = {p.value: layer.runner(p) for p in layer.paths}
-    for fn in runners.values():
-        fn(x)  # warm-up: first touch, oneDNN's primitive creation
-    best = {name: math.inf for name in runners}
+def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
+               rounds: int = 3, budget_s: float = 0.05) -> dict[str, float]:
+    """Best time (us) of each path of ``layers`` (same shape and paths) on ``rows`` random
+    rows. Paths are timed in turns, one call each per round, so a burst of load elsewhere
+    hits them alike; round ``i`` runs layer ``i % len(layers)``, so, as in a forward pass,
+    a call seldom finds its weights in the core's own cache."""
+    x = torch.randn(rows, layers[0].in_features)
+    names = [p.value for p in layers[0].paths]
+    for path in layers[0].paths:
+        layers[0].runner(path)(x)  # warm-up: first touch, oneDNN's primitive creation
+    best = dict.fromkeys(names, math.inf)
     start = time.perf_counter()
-    for _ in range(rounds):
-        for name, fn in runners.items():
+    for i in range(rounds):
+        layer = layers[(i + 1) % len(layers)]
+        for path in layer.paths:
+            fn = layer.runner(path)
             t0 = time.perf_counter()
             fn(x)
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[path.value] = min(best[path.value], time.perf_counter() - t0)
         now = time.perf_counter()
         if now - start >= budget_s or now >= deadline:
             break
     return {name: t * 1e6 for name, t in best.items()}
 
 
-def _measure_shape(layer: MeasuredLinear, deadline: float) -> list[BucketChoice]:
+def _measure_shape(layers: list[MeasuredLinear], deadline: float) -> list[BucketChoice]:
     choices: list[BucketChoice | None] = []
     for bucket in ROW_BUCKETS:
         if time.perf_counter() >= deadline:
             choices.append(None)
             continue
-        times = _time_paths(layer, bucket.probe, deadline)
+        times = time_paths(layers, bucket.probe, deadline)
         choices.append(BucketChoice(bucket.label, min(times, key=times.get), "measured", times))
     measured = [c for c in choices if c is not None]
-    fallback = measured[-1].path if measured else layer.paths[0].value
+    fallback = measured[-1].path if measured else layers[0].paths[0].value
     return [c if c is not None else BucketChoice(b.label, fallback, "unmeasured")
             for b, c in zip(ROW_BUCKETS, choices)]
 
@@ -350,11 +355,26 @@ def _valid_cached(entry, paths: list[LinearPath]) -> list[BucketChoice] | None:
     return got
 
 
+def machine_busy() -> str | None:
+    """Why measurements now would misjudge the paths (other processes hold the cores), or
+    None. Choices measured then are used but not cached."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cores = os.cpu_count() or 1
+    return f"load average {load:.1f} > {cores} cores" if load > cores else None
+
+
 def plan_layers(layers: list[MeasuredLinear], force: str | LinearPath | None = None,
-                budget_s: float = 10.0, cache: bool = True) -> LinearPlan:
+                budget_s: float = 10.0, cache: bool = True,
+                busy: str | None | bool = True) -> LinearPlan:
     """Choose each layer's path per bucket (forced, cached, or measured within ``budget_s``
-    seconds in all) and apply the choices; returns what was chosen and why."""
+    seconds in all) and apply the choices; returns what was chosen and why. ``busy``: the
+    reason fresh measurements are not cached, ``True`` to ask :func:`machine_busy`,
+    ``None``/``False``: cache them."""
     start = time.perf_counter()
+    busy = machine_busy() if busy is True else (busy or None)
     groups: dict[str, list[MeasuredLinear]] = {}
     for layer in layers:
         groups.setdefault(layer.shape_key, []).append(layer)
@@ -372,7 +392,7 @@ def plan_layers(layers: list[MeasuredLinear], force: str | LinearPath | None = N
             choices = [BucketChoice(b.label, forced.value, "forced") for b in ROW_BUCKETS]
         else:
             choices = _valid_cached(cached.get(shape), first.paths) if shape in cached else None
-            choices = choices or _measure_shape(first, deadline)
+            choices = choices or _measure_shape(members, deadline)
         plan.shapes[shape] = choices
         for layer in members:
             layer.set_choices([LinearPath(c.path) for c in choices])
@@ -380,7 +400,8 @@ def plan_layers(layers: list[MeasuredLinear], force: str | LinearPath | None = N
     if forced is None and cache and any(c.source == "measured" for cs in plan.shapes.values() for c in cs):
         keep = {s: [asdict(c) for c in cs] for s, cs in plan.shapes.items()
                 if all(c.source in ("measured", "cached") for c in cs)}
-        plan.cache_error = save_cache(key, {**cached, **keep})
+        plan.cache_error = (f"measured while busy ({busy})" if busy
+                            else save_cache(key, {**cached, **keep}))
     plan.cache_file = str(cache_path()) if cache and forced is None else None
     plan.seconds = time.perf_counter() - start
     return plan
@@ -411,7 +432,7 @@ def describe_here() -> list[str]:
 
 def install_linear_paths(model: nn.Module, weight_dtype: torch.dtype,
                          force: str | LinearPath | None = None, budget_s: float = 10.0,
-                         cache: bool = True) -> LinearPlan:
+                         cache: bool = True, busy: str | None | bool = True) -> LinearPlan:
     """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`MeasuredLinear` with
     ``weight_dtype`` weights, then plan their paths (:func:`plan_layers`). Call after
     loading the weights and casting the model to fp32."""
@@ -429,4 +450,4 @@ def install_linear_paths(model: nn.Module, weight_dtype: torch.dtype,
 
     replace(model)
     with torch.inference_mode():
-        return plan_layers(layers, force, budget_s, cache)
+        return plan_layers(layers, force, budget_s, cache, busy)
