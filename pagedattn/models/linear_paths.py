@@ -311,7 +311,8 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
     rows. Paths are timed in turns, one call each per round, so a burst of load elsewhere
     hits them alike; round ``i`` runs layer ``i % len(layers)``, so, as in a forward pass,
     a call seldom finds its weights in the core's own cache."""
-    x = torch.randn(rows, layers[0].in_features)
+    # own generator: tuning must not move the global RNG that seeded sampling draws from
+    x = torch.randn(rows, layers[0].in_features, generator=torch.Generator().manual_seed(rows))
     names = [p.value for p in layers[0].paths]
     for path in layers[0].paths:
         layers[0].runner(path)(x)  # warm-up: first touch, oneDNN's primitive creation
