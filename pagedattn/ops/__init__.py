@@ -435,8 +435,8 @@ def packed_linear_dpbf16(x: torch.Tensor, packed_weight: torch.Tensor,
     :func:`pack_linear_weight_dpbf16`.
 
     Args:
-        x: float32 ``[num_tokens, in_features]`` (last dim contiguous), rounded to
-            bfloat16 (nearest even) once per call.
+        x: float32 ``[num_tokens, in_features]`` (any strides), rounded to bfloat16
+            (nearest even; fp32 subnormals, ``|x| < 2**-126``, become zero) once per call.
         packed_weight: bfloat16 ``[ceil(out_features / 16), ceil(in_features / 2), 32]``.
         bias: float32 ``[out_features]`` or None (added in fp32).
         out_features: the layer's output width.
