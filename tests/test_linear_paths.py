@@ -200,6 +200,18 @@ def test_packed_linear_dpbf16_opcheck_and_edges():
                                ops.packed_linear_dpbf16(x, packed, None, 40))
 
 
+@needs_dpbf16
+def test_packed_linear_dpbf16_compiles_fullgraph():
+    x, w, bias = torch.randn(5, 23), torch.randn(40, 23), torch.randn(40)
+    packed = ops.pack_linear_weight_dpbf16(w)
+
+    def step(x):
+        return torch.ops.pagedattn.packed_linear_dpbf16(x, packed, bias, 40).relu()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ choosing and caching
 
 
