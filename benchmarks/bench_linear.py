@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                   for _ in range(1 if args.hot else count)]
         for rows in rows_list:
             with torch.inference_mode():
-                us = time_paths(layers, rows, float("inf"), rounds=args.rounds, budget_s=1.0)
+                us = time_paths(layers, rows, float("inf"), min_rounds=args.rounds,
+                                max_rounds=args.rounds, budget_s=0.0)
             best = min(us, key=us.get)
             cells = []
             for q in paths:

@@ -306,11 +306,14 @@ class LinearPlan:
 
 
 def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
-               rounds: int = 3, budget_s: float = 0.05) -> dict[str, float]:
+               min_rounds: int = 3, max_rounds: int = 50,
+               budget_s: float = 0.03) -> dict[str, float]:
     """Best time (us) of each path of ``layers`` (same shape and paths) on ``rows`` random
-    rows. Paths are timed in turns, one call each per round, so a burst of load elsewhere
-    hits them alike; round ``i`` runs layer ``i % len(layers)``, so, as in a forward pass,
-    a call seldom finds its weights in the core's own cache."""
+    rows: ``min_rounds`` rounds, then more (up to ``max_rounds``) while the rounds have
+    used under ``budget_s`` -- small calls get many tries, so one that no other process
+    interrupted is among them. Paths are timed in turns, one call each per round, so a
+    burst of load hits them alike; round ``i`` runs layer ``i % len(layers)``, so, as in
+    a forward pass, a call seldom finds its weights in the core's own cache."""
     # own generator: tuning must not move the global RNG that seeded sampling draws from
     x = torch.randn(rows, layers[0].in_features, generator=torch.Generator().manual_seed(rows))
     names = [p.value for p in layers[0].paths]
@@ -318,7 +321,7 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
         layers[0].runner(path)(x)  # warm-up: first touch, oneDNN's primitive creation
     best = dict.fromkeys(names, math.inf)
     start = time.perf_counter()
-    for i in range(rounds):
+    for i in range(max_rounds):
         layer = layers[(i + 1) % len(layers)]
         for path in layer.paths:
             fn = layer.runner(path)
@@ -326,7 +329,7 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
             fn(x)
             best[path.value] = min(best[path.value], time.perf_counter() - t0)
         now = time.perf_counter()
-        if now - start >= budget_s or now >= deadline:
+        if now >= deadline or (i + 1 >= min_rounds and now - start >= budget_s):
             break
     return {name: t * 1e6 for name, t in best.items()}
 
