@@ -33,7 +33,7 @@ def error_bound(path: LinearPath, x, w, weight_dtype, expected, bias):
     k = x.shape[1]
     mags = x.double().abs() @ w.double().abs().T
     u_a = 0.0 if path is LinearPath.PACKED else HALF_U[weight_dtype]
-    u_o = HALF_U[weight_dtype] if path is LinearPath.TORCH else 0.0
+    u_o = HALF_U[weight_dtype] if path in (LinearPath.TORCH, LinearPath.ONEDNN) else 0.0
     acc = u_a * mags + (k + 1) * U32 * (1 + u_a) * mags
     bound = acc + u_o * (mags + acc)
     return bound + U32 * (expected.abs() + bound) + 1e-30
@@ -311,7 +311,7 @@ def test_forced_path(cache_dir, monkeypatch, how):
 
 @needs_native
 def test_forced_path_rejections(cache_dir, monkeypatch):
-    with pytest.raises(ValueError, match="linear path must be one of packed, dpbf16, torch, got 'amx'"):
+    with pytest.raises(ValueError, match="linear path must be one of packed, dpbf16, torch, onednn, got 'amx'"):
         lp.install_linear_paths(small_net(), torch.float32, force="amx")
     with pytest.raises(ValueError, match="linear path 'dpbf16' cannot run 24x40:float32: .*bfloat16"):
         lp.install_linear_paths(small_net(), torch.float32, force="dpbf16")

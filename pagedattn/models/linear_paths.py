@@ -9,6 +9,9 @@ Candidates (:class:`LinearPath`), fp32 activations in and out of every one:
   ``vdpbf16ps``. bf16 weights and the ``avx512bf16`` kernels only.
 * ``torch``: ``F.linear`` in the weight dtype: bf16/fp16 activations into oneDNN's GEMM
   (AMX or ``vdpbf16ps`` where torch has a native half GEMM), or fp32 into MKL.
+* ``onednn``: the same GEMM on a weight reordered once, at load, into oneDNN's blocked
+  layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what
+  Inductor's CPU weight prepacking uses): ``F.linear`` reorders the weight on every call.
 
 An fp32 model only gets fp32 candidates: its activations are never rounded to bf16.
 
@@ -25,6 +28,7 @@ Choices measured while other processes load the cores are used but not cached.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import math
@@ -49,6 +53,7 @@ class LinearPath(str, enum.Enum):
     PACKED = "packed"
     DPBF16 = "dpbf16"
     TORCH = "torch"
+    ONEDNN = "onednn"
 
     @classmethod
     def parse(cls, name: str | LinearPath) -> LinearPath:
@@ -102,6 +107,22 @@ def torch_half_gemm(dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.cache
+def _onednn_linear_error(dtype: torch.dtype) -> str | None:
+    """Why torch's prepacked oneDNN linear ops do not run ``dtype`` here (private ops:
+    probed once with a tiny layer rather than trusted), or None."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN"
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), None)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), w, None,
+                                               "none", [None], "")
+    except (AttributeError, RuntimeError) as exc:
+        return f"torch's prepacked oneDNN linear failed: {str(exc).splitlines()[0][:120]}"
+    return None if torch.equal(y.float(), torch.full((1, 2), 2.0)) else \
+        "torch's prepacked oneDNN linear gave a wrong result"
+
+
 def unavailable_reasons(path: LinearPath, weight_dtype: torch.dtype) -> list[str]:
     """Why ``path`` cannot run layers with ``weight_dtype`` weights here (empty: it can)."""
     reasons = []
@@ -112,9 +133,13 @@ def unavailable_reasons(path: LinearPath, weight_dtype: torch.dtype) -> list[str
             reasons.append(f"takes bfloat16 weights only, got {weight_dtype}")
         if ops.native_available() and not ops.dpbf16_linear_available():
             reasons.append(f"needs the avx512bf16 kernels, in use: {ops.get_cpu_isa().value}")
-    if path is LinearPath.TORCH and weight_dtype != torch.float32 \
+    if path in (LinearPath.TORCH, LinearPath.ONEDNN) and weight_dtype != torch.float32 \
             and not torch_half_gemm(weight_dtype):
         reasons.append(f"torch has no native {weight_dtype} GEMM on this CPU (emulated, slow)")
+    elif path is LinearPath.ONEDNN and weight_dtype in ops.PACKED_LINEAR_DTYPES:
+        error = _onednn_linear_error(weight_dtype)
+        if error:
+            reasons.append(error)
     if weight_dtype not in ops.PACKED_LINEAR_DTYPES:
         reasons.append(f"weights must be one of {ops.PACKED_LINEAR_DTYPES}, got {weight_dtype}")
     return reasons
@@ -154,6 +179,10 @@ class MeasuredLinear(nn.Module):
                              if LinearPath.DPBF16 in paths else None)
         self.register_buffer("weight", w.to(weight_dtype).contiguous()
                              if LinearPath.TORCH in paths else None)
+        # An opaque oneDNN tensor: a plain attribute, not a buffer (state_dict, .to() and
+        # deepcopy do not take it).
+        self.onednn_weight = (torch.ops.mkldnn._reorder_linear_weight(w.to(weight_dtype), None)
+                              if LinearPath.ONEDNN in paths else None)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias)
         self.paths = list(paths)
@@ -165,7 +194,7 @@ class MeasuredLinear(nn.Module):
 
     def runner(self, path: LinearPath) -> Callable[[torch.Tensor], torch.Tensor]:
         return {LinearPath.PACKED: self._packed, LinearPath.DPBF16: self._dpbf16,
-                LinearPath.TORCH: self._torch}[path]
+                LinearPath.TORCH: self._torch, LinearPath.ONEDNN: self._onednn}[path]
 
     def set_choices(self, choices: list[LinearPath]) -> None:
         """One path per :data:`ROW_BUCKETS` entry; weights no chosen path reads are freed."""
@@ -180,7 +209,7 @@ class MeasuredLinear(nn.Module):
         used = set(self.choices)
         self.paths = [p for p in self.paths if p in used]
         for path, name in ((LinearPath.PACKED, "packed_weight"), (LinearPath.DPBF16, "dp_weight"),
-                           (LinearPath.TORCH, "weight")):
+                           (LinearPath.TORCH, "weight"), (LinearPath.ONEDNN, "onednn_weight")):
             if path not in used:
                 setattr(self, name, None)
 
@@ -201,6 +230,12 @@ class MeasuredLinear(nn.Module):
         if self.weight.dtype == torch.float32:
             return F.linear(x, self.weight, self.bias)
         out = F.linear(x.to(self.weight.dtype), self.weight).float()
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.onednn_weight
+        out = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [None], "")
+        out = out.float()  # a no-op for fp32
         return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
