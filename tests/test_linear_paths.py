@@ -251,7 +251,7 @@ def test_install_measures_caches_and_reuses(cache_dir):
 
 @needs_native
 @pytest.mark.parametrize("damage", ["stale_threads", "stale_torch", "stale_flags", "garbage",
-                                    "wrong_json", "bad_entry"])
+                                    "wrong_json", "bad_entry", "fewer_candidates"])
 def test_stale_or_corrupt_cache_is_remeasured_and_rewritten(cache_dir, damage):
     lp.install_linear_paths(small_net(), torch.float32, busy=False)
     path = cache_dir / "linear-paths.json"
@@ -264,8 +264,12 @@ def test_stale_or_corrupt_cache_is_remeasured_and_rewritten(cache_dir, damage):
         path.write_bytes(b"\x00\xff{not json")
     elif damage == "wrong_json":
         path.write_text("[1, 2, 3]")
-    else:
+    elif damage == "bad_entry":
         data["shapes"]["24x40:float32"] = [{"rows": "1", "path": "no-such-path"}]
+        path.write_text(json.dumps(data))
+    else:  # measured before a path existed: its times lack that path
+        for entry in data["shapes"]["24x40:float32"]:
+            entry["times_us"].pop(entry["path"] if entry["path"] != "packed" else "torch", None)
         path.write_text(json.dumps(data))
     plan = lp.install_linear_paths(small_net(), torch.float32, busy=False)
     assert plan.shapes["24x40:float32"][0].source == "measured"

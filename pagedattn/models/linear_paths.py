@@ -389,7 +389,9 @@ def _valid_cached(entry, paths: list[LinearPath]) -> list[BucketChoice] | None:
         got = [BucketChoice(**{**e, "source": "cached"}) for e in entry]
     except TypeError:
         return None
-    if [c.rows for c in got] != [b.label for b in ROW_BUCKETS] or any(c.path not in names for c in got):
+    # measured among exactly today's candidates: a path added since (or one gone) re-measures
+    if [c.rows for c in got] != [b.label for b in ROW_BUCKETS] or any(
+            c.path not in names or set(c.times_us) != names for c in got):
         return None
     return got
 
