@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_workloads import COLUMNS, measure, workloads  # noqa: E402
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
-from pagedattn.engine.llm import native_half_matmul  # noqa: E402
+from pagedattn.engine.args import native_half_matmul  # noqa: E402
 from pagedattn.models.layers import PagedAttention  # noqa: E402
 from pagedattn.models.loader import resolve_model  # noqa: E402
 
@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(there torch's bf16 matmuls are ~100x slower than fp32: a peer "
                         "is measured the fastest way it runs, as pagedattn's engine keeps "
                         "its linear layers fp32 there too)")
+    p.add_argument("--linear-impl", choices=["auto", "packed", "torch"], default="auto",
+                   help="pagedattn's linear layers (auto: the path measured fastest per layer "
+                        "shape and row count on this machine)")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -127,15 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.peer_dtype)
 
     llm = LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
-              kv_cache_memory="1GiB")
+              kv_cache_memory="1GiB", linear_impl=args.linear_impl)
     loads = workloads(llm.tokenizer, args.scale)
     for name, (prompts, n) in loads.items():
         lens = sorted(map(len, prompts))
         print(f"{name}: {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, {n} new tokens each")
     results: dict[str, dict[str, float]] = {}
     skipped: dict[str, str] = {}
+    peer_info: dict[str, dict] = {}
     if "pagedattn" in peers:
         results["pagedattn"] = measure(pagedattn_peer(llm), loads, args.repeats)
+        plan = llm.linear_plan
+        peer_info["pagedattn"] = {
+            "dtype": args.dtype, "linear_impl": llm.linear_impl,
+            "linear_activations": str(llm.linear_dtype).split(".")[-1],
+            "linear_paths": plan.to_json() if plan is not None else None}
         shares = attention_share(llm, loads)
     if "transformers" in peers:
         import transformers
@@ -144,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=file, dtype=dtype, attn_implementation="sdpa").eval()
         results["transformers (sdpa)"] = measure(transformers_peer(model, 2), loads, args.repeats)
+        peer_info["transformers (sdpa)"] = {"dtype": args.peer_dtype}
         del model
     if "vllm" in peers:
         if not args.vllm_python or not os.path.exists(args.vllm_python):
@@ -152,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 results["vLLM CPU engine"] = vllm_peer_figures(
                     args.vllm_python, export_hf_dir(args.hf_dir), loads, args)
+                peer_info["vLLM CPU engine"] = {"dtype": args.peer_dtype}
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 skipped["vllm"] = str(exc)[-500:]
 
@@ -174,9 +185,17 @@ def main(argv: list[str] | None = None) -> int:
               f"W3 {shares['W3']:.0%}")
     for peer, why in skipped.items():
         print(f"skipped {peer}: {why}")
+    print("\npeer dtypes: " + ", ".join(f"{p} {i['dtype']}" for p, i in peer_info.items()))
+    if "pagedattn" in peer_info:
+        info = peer_info["pagedattn"]
+        print(f"pagedattn linear layers: {info['linear_impl']}, activations "
+              f"{info['linear_activations']}, weights {args.dtype}")
+        if llm.linear_plan is not None:
+            print("\n".join(llm.linear_plan.lines()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "skipped": skipped, "args": vars(args)}, f, indent=1)
+            json.dump({"results": results, "skipped": skipped, "peers": peer_info,
+                       "args": vars(args)}, f, indent=1)
     return 0
 
 

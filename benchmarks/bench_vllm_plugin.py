@@ -59,7 +59,7 @@ def default_dtype() -> str:
     """bf16 where torch has a native bf16 GEMM (AVX512-BF16/AMX), else fp32: without one,
     torch's bf16 matmuls (which vLLM's CPU linear layers use) run ~100x slower than fp32
     and every workload but W1 would measure that, not attention."""
-    from pagedattn.engine.llm import native_half_matmul
+    from pagedattn.engine.args import native_half_matmul
 
     return "bfloat16" if native_half_matmul() else "float32"
 

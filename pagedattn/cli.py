@@ -57,6 +57,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"backends  (head_size={args.head_size}, dtype={args.dtype}, block_size={args.block_size}):")
     for name, status in _backend_rows(args.head_size, dtype, args.block_size):
         print(f"  {name:<18} {status}")
+    from pagedattn.models.linear_paths import describe_here
+
+    print("linear paths per weight dtype (fp32 activations; chosen by measurement):")
+    print("\n".join(describe_here()))
     return 0
 
 

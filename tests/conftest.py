@@ -13,6 +13,7 @@ each: the per-dtype (atol, rtol) table for kernels vs the fp32 reference
 
 from __future__ import annotations
 
+import os
 import platform
 
 import pytest
@@ -34,3 +35,16 @@ def isa(request):
                     "is not built)")
     with ops.use_cpu_isa(request.param):
         yield request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_home(tmp_path_factory):
+    """Engines built by the tests measure their linear paths into a session directory, never
+    the user's ``~/.cache`` (tests that check the cache set their own)."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old

@@ -111,6 +111,22 @@ struct LinearParams {
   int64_t m, n, k;
 };
 
+// Linear layers on vdpbf16ps (linear_dpbf16_impl.h, AVX512-BF16 only): x rounded to bf16
+// (nearest even) by the kernel, bf16 weights, fp32 accumulation and output. The weight is
+// packed with pairs of k interleaved, [ceil(n / 16), ceil(k / 2), 16, 2]
+// (pagedattn.ops.pack_linear_weight_dpbf16): one 64-byte row per k pair holds
+// (W[c, 2i], W[c, 2i + 1]) for the panel's 16 columns c, the operand layout of vdpbf16ps.
+// An odd k is padded with a zero weight and a zero activation.
+struct LinearDpParams {
+  const float* x;          // [m, k], row stride x_stride, contiguous rows
+  int64_t x_stride;
+  const bf16_t* weight;    // [ceil(n / 16), k_pairs, 32] (padding columns zero)
+  const float* bias;       // [n] or nullptr
+  float* out;              // [m, n], row stride out_stride
+  int64_t out_stride;
+  int64_t m, n, k, k_pairs;
+};
+
 // RMSNorm rows (layer_kernel_impl.h), fp32, last dims contiguous; with residual != nullptr
 // each row first does residual += x and normalises the sum.
 struct NormParams {
@@ -136,6 +152,11 @@ struct KernelTable {
   // Rows [m_begin, m_end) x panels [p_begin, p_end) of a linear layer.
   void (*linear_block)(const LinearParams& p, int64_t m_begin, int64_t m_end,
                        int64_t p_begin, int64_t p_end) = nullptr;
+  // Rows [m_begin, m_end) x panels [p_begin, p_end) on vdpbf16ps, the rows first rounded
+  // into x_bf16 ((m_end - m_begin) * 2 * k_pairs elements); nullptr where the ISA has no
+  // bf16 dot product.
+  void (*linear_dpbf16_block)(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
+                              int64_t p_begin, int64_t p_end, bf16_t* x_bf16) = nullptr;
   void (*rms_norm_rows)(const NormParams& p, int64_t row_begin, int64_t row_end) = nullptr;
   // out[r, i] = silu(x[r, i]) * x[r, d + i] for rows [row_begin, row_end).
   void (*silu_mul_rows)(const float* x, int64_t x_stride, float* out, int64_t out_stride,

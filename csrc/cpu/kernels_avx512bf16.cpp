@@ -22,6 +22,7 @@ namespace {
 #include "attn_kernel_impl.h"
 #include "linear_kernel_impl.h"
 #include "layer_kernel_impl.h"
+#include "linear_dpbf16_impl.h"
 
 // bf16 words of a key/value row for the vdpbf16ps kernels below: 32 at a time, or the
 // first 16 (rest zero). Specialised for each cache type the kernels read.
@@ -351,8 +352,11 @@ struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 }  // namespace
 
 const KernelTable* kernels_avx512bf16() {
-  static const KernelTable table =
-      with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512bf16"));
+  static const KernelTable table = [] {
+    KernelTable t = with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512bf16"));
+    t.linear_dpbf16_block = &linear_dpbf16_block;
+    return t;
+  }();
   return &table;
 }
 

@@ -1,10 +1,13 @@
 // packed_linear: a model's linear layer over panel-packed weights (linear_kernel_impl.h), for
 // CPUs where torch's half-precision GEMM is slow and for decode-sized batches, where a
-// linear layer is a stream over its weights. Validation here, unchecked loops in the ISA TUs.
+// linear layer is a stream over its weights. packed_linear_dpbf16: the same with bf16
+// activations on vdpbf16ps (linear_dpbf16_impl.h, AVX512-BF16). Validation here, unchecked
+// loops in the ISA TUs.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "binding_utils.h"
 
@@ -17,14 +20,35 @@ constexpr int64_t kRowBlock = 48;
 // Least multiply-adds per parallel chunk: a smaller layer runs on one thread (waking the
 // pool costs more than its work).
 constexpr int64_t kMinChunkMacs = 1 << 16;
+
+// float32 [out_features] bias, contiguous; undefined when absent.
+at::Tensor checked_bias(const std::optional<at::Tensor>& bias, int64_t out_features) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  check_cpu(*bias, "bias");
+  TORCH_CHECK_TYPE(bias->scalar_type() == at::kFloat, "bias must be float32, got ",
+                   bias->scalar_type());
+  TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [",
+                    out_features, "], got shape ", bias->sizes());
+  return bias->contiguous();
+}
+
+void check_x(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [num_tokens, in_features], got shape ", x.sizes());
+}
+
+void check_panels(int64_t out_features, int64_t panels) {
+  TORCH_CHECK_VALUE(out_features > 0 && (out_features + kLinearPanel - 1) / kLinearPanel == panels,
+                    "out_features ", out_features, " does not match packed_weight's ", panels,
+                    " panels of ", kLinearPanel, " columns");
+}
 }  // namespace
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features) {
-  check_cpu(x, "x");
+  check_x(x);
   check_cpu(packed_weight, "packed_weight");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [num_tokens, in_features], got shape ", x.sizes());
   const DType wdt = to_dtype(packed_weight.scalar_type(), "packed_weight");
   TORCH_CHECK_VALUE(packed_weight.dim() == 3 && packed_weight.size(2) == kLinearPanel,
                     "packed_weight must be 3-D [ceil(out_features / ", kLinearPanel,
@@ -34,20 +58,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
   const int64_t k = x.size(1), panels = packed_weight.size(0);
   TORCH_CHECK_VALUE(packed_weight.size(1) == k, "x has ", k, " features but packed_weight has ",
                     packed_weight.size(1));
-  TORCH_CHECK_VALUE(out_features > 0 && (out_features + kLinearPanel - 1) / kLinearPanel == panels,
-                    "out_features ", out_features, " does not match packed_weight's ", panels,
-                    " panels of ", kLinearPanel, " columns");
-  const float* bias_ptr = nullptr;
-  at::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK_TYPE(bias->scalar_type() == at::kFloat, "bias must be float32, got ",
-                     bias->scalar_type());
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [",
-                      out_features, "], got shape ", bias->sizes());
-    bias_c = bias->contiguous();
-    bias_ptr = bias_c.data_ptr<float>();
-  }
+  check_panels(out_features, panels);
+  const at::Tensor bias_c = checked_bias(bias, out_features);
+  const float* bias_ptr = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t m = xc.size(0);
   at::Tensor out = at::empty({m, out_features}, x.options());
@@ -65,12 +78,62 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
   return out;
 }
 
+at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_weight,
+                                const std::optional<at::Tensor>& bias, int64_t out_features) {
+  check_x(x);
+  check_cpu(packed_weight, "packed_weight");
+  TORCH_CHECK_TYPE(packed_weight.scalar_type() == at::kBFloat16,
+                   "packed_weight must be bfloat16 (pack_linear_weight_dpbf16), got ",
+                   packed_weight.scalar_type());
+  TORCH_CHECK_VALUE(packed_weight.dim() == 3 && packed_weight.size(2) == 2 * kLinearPanel,
+                    "packed_weight must be 3-D [ceil(out_features / ", kLinearPanel,
+                    "), ceil(in_features / 2), ", 2 * kLinearPanel,
+                    "] (pack_linear_weight_dpbf16), got shape ", packed_weight.sizes());
+  TORCH_CHECK_VALUE(packed_weight.is_contiguous(), "packed_weight must be contiguous");
+  const int64_t k = x.size(1), k_pairs = packed_weight.size(1), panels = packed_weight.size(0);
+  TORCH_CHECK_VALUE((k + 1) / 2 == k_pairs, "x has ", k, " features but packed_weight has ",
+                    k_pairs, " pairs of them (", 2 * k_pairs - 1, " or ", 2 * k_pairs,
+                    " features)");
+  check_panels(out_features, panels);
+  const at::Tensor bias_c = checked_bias(bias, out_features);
+  const KernelTable* kt = current_kernels();
+  TORCH_CHECK_NOT_IMPLEMENTED(kt->linear_dpbf16_block != nullptr,
+                              "packed_linear_dpbf16 needs the avx512bf16 kernels (a CPU with "
+                              "AVX512-BF16); the kernels in use are ", kt->name);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor out = at::empty({m, out_features}, x.options());
+  if (m == 0) return out;
+  if (k == 0) return bias_c.defined() ? out.copy_(bias_c.expand({m, out_features})) : out.zero_();
+
+  const LinearDpParams p{xc.data_ptr<float>(), xc.stride(0),
+                         reinterpret_cast<const bf16_t*>(packed_weight.data_ptr()),
+                         bias_c.defined() ? bias_c.data_ptr<float>() : nullptr,
+                         out.data_ptr<float>(), out.stride(0), m, out_features, k, k_pairs};
+  // Threads split the panels in whole groups of the microkernel's 4-panel tile; each rounds
+  // its row block to bf16 into its own buffer (kept between calls: no allocation per call).
+  constexpr int64_t kGroup = 4;
+  const int64_t groups = (panels + kGroup - 1) / kGroup;
+  const int64_t grain = std::max<int64_t>(
+      1, kMinChunkMacs / (std::min(m, kRowBlock) * k * kLinearPanel * kGroup));
+  at::parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
+    thread_local std::vector<bf16_t> x_bf16;
+    x_bf16.resize(std::max<size_t>(x_bf16.size(), std::min(m, kRowBlock) * 2 * k_pairs));
+    const int64_t pb = gb * kGroup, pe = std::min(panels, ge * kGroup);
+    for (int64_t mb = 0; mb < m; mb += kRowBlock)
+      kt->linear_dpbf16_block(p, mb, std::min(m, mb + kRowBlock), pb, pe, x_bf16.data());
+  });
+  return out;
+}
+
 }  // namespace pagedattn
 
 TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("packed_linear_dpbf16(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {
   m.impl("packed_linear", &pagedattn::packed_linear);
+  m.impl("packed_linear_dpbf16", &pagedattn::packed_linear_dpbf16);
 }

@@ -19,7 +19,7 @@ from pagedattn.ops import reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *reference.FP8_CACHE_DTYPES)
-LINEAR_IMPLS = ("packed", "torch")
+LINEAR_IMPLS = ("auto", "packed", "torch")
 _UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1}
 
 
@@ -79,9 +79,10 @@ class EngineArgs:
         calculate_kv_scales: fp8 only. ``False``: every layer's ``k_scale`` and
             ``v_scale`` are 1.0. ``True``: each layer's scales are calibrated from the
             first prefill step (``amax / fp8 max``, per tensor) and then kept.
-        linear_impl: ``"packed"`` (default with the native extension): linear layers on
-            ``pagedattn.ops.packed_linear``, weights packed in ``dtype``, activations fp32;
-            ``"torch"``: ``nn.Linear`` in ``linear_dtype``.
+        linear_impl: ``"auto"`` (default with the native extension): fp32 activations,
+            weights in ``dtype``, each layer shape and row count on the path measured
+            fastest here (:mod:`pagedattn.models.linear_paths`); ``"packed"``: every layer
+            on ``pagedattn.ops.packed_linear``; ``"torch"``: ``nn.Linear`` in ``linear_dtype``.
         linear_dtype: with ``linear_impl="torch"``, dtype of the weights and activations
             around attention; ``None`` = ``dtype``, except on CPUs without a native
             half-precision GEMM, where it is float32.
@@ -140,12 +141,12 @@ class EngineArgs:
         return reference.FP8_CACHE_DTYPES.get(self.kv_cache_dtype, self.dtype)
 
     def _resolve_linear_dtype(self) -> torch.dtype:
-        if self.linear_impl == "packed":
+        if self.linear_impl != "torch":
             if self.linear_dtype is not None and \
                     parse_dtype(self.linear_dtype, "linear_dtype") != torch.float32:
-                raise ValueError(f"linear_impl='packed' computes in float32 (weights in dtype="
-                                 f"{self.dtype}); linear_dtype={self.linear_dtype!r} needs "
-                                 "linear_impl='torch'")
+                raise ValueError(f"linear_impl={self.linear_impl!r} takes float32 activations "
+                                 f"(weights in dtype={self.dtype}); linear_dtype="
+                                 f"{self.linear_dtype!r} needs linear_impl='torch'")
             return torch.float32
         if self.linear_dtype is not None:
             return parse_dtype(self.linear_dtype, "linear_dtype")
@@ -159,14 +160,14 @@ class EngineArgs:
 
 
 def _parse_linear_impl(linear_impl: str | None) -> str:
-    """``None`` picks ``"packed"`` where the native extension is loaded."""
+    """``None`` picks ``"auto"`` where the native extension is loaded."""
     from pagedattn import ops
 
     if linear_impl is None:
-        return "packed" if ops.native_available() else "torch"
+        return "auto" if ops.native_available() else "torch"
     if linear_impl not in LINEAR_IMPLS:
         raise ValueError(f"linear_impl must be one of {', '.join(LINEAR_IMPLS)}, got {linear_impl!r}")
-    if linear_impl == "packed" and not ops.native_available():
-        raise ValueError("linear_impl='packed' needs the native extension pagedattn._C, which "
-                         "is not loaded; use linear_impl='torch'")
+    if linear_impl != "torch" and not ops.native_available():
+        raise ValueError(f"linear_impl={linear_impl!r} needs the native extension pagedattn._C, "
+                         "which is not loaded; use linear_impl='torch'")
     return linear_impl

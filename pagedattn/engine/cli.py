@@ -19,7 +19,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
                    help="fp8: calibrate each layer's k/v scales from the first prefill "
                         "(default: scales of 1.0)")
     g.add_argument("--linear-impl", choices=LINEAR_IMPLS, default=None,
-                   help="linear layers: packed native kernel (default with the extension) "
+                   help="linear layers: auto (default with the extension: the path measured "
+                        "fastest per layer shape and row count), the packed native kernel, "
                         "or torch nn.Linear")
     g.add_argument("--backend", default=None, help="attention backend (default: registry choice)")
     g.add_argument("--block-size", type=int, default=EngineArgs.block_size)
@@ -66,7 +67,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--verbose", action="store_true",
-                   help="print what the engine runs (dtypes, backend, KV capacity) first")
+                   help="print what the engine runs first: dtypes, backend, KV capacity, and "
+                        "the linear path each layer shape and row bucket got, and why")
     add_engine_arguments(p)
 
 
@@ -100,6 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(**vars(engine_args(args)))
     if args.verbose:
         print(describe_engine(llm))
+        plan = llm.linear_plan
+        lines = plan.lines() if plan is not None else [f"linear paths: {llm.linear_impl} (forced)"]
+        print("\n".join(lines))
     progress = len(prompts) > 1
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)

@@ -126,6 +126,8 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model = loaded.model
         self.max_model_len = loaded.max_model_len
+        self.linear_plan = loaded.linear_plan
+        """``linear_impl="auto"``: the path each layer shape and row bucket runs."""
         self.engine: LLMEngine | None = None
         self.embedder: Embedder | None = None
         if loaded.is_encoder:
@@ -137,6 +139,10 @@ class LLM:
     @property
     def dtype(self) -> torch.dtype:
         return self.args.dtype
+
+    @property
+    def linear_impl(self) -> str:
+        return self.args.linear_impl
 
     def _decoder(self, what: str) -> LLMEngine:
         if self.engine is None:

@@ -13,6 +13,7 @@ from pagedattn.engine.args import EngineArgs
 from pagedattn.engine.attention import AttentionGeometry, AttentionStack, build_attention
 from pagedattn.models.bert import BertConfig, BertModel
 from pagedattn.models.layers import pack_linear_layers
+from pagedattn.models.linear_paths import install_linear_paths
 from pagedattn.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedattn.models.loader import load_checkpoint, load_tokenizer, resolve_model
 
@@ -24,6 +25,8 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer, or None (skip_tokenizer_init)
     attention: AttentionStack
     max_model_len: int
+    linear_plan: Any = None
+    """``linear_impl="auto"``: the measured path of each layer shape and row bucket."""
 
     @property
     def is_encoder(self) -> bool:
@@ -58,6 +61,9 @@ def load_model(args: EngineArgs) -> LoadedModel:
     net = model_cls(cfg, attention.impls, attn_dtype)
     net.load_weights(ckpt.weights())
     net = net.to(args.linear_dtype).eval()
+    plan = None
     if args.linear_impl == "packed":
         pack_linear_layers(net, args.dtype)
-    return LoadedModel(cfg, net, load_tokenizer(ckpt), attention, max_model_len)
+    elif args.linear_impl == "auto":
+        plan = install_linear_paths(net, args.dtype)
+    return LoadedModel(cfg, net, load_tokenizer(ckpt), attention, max_model_len, plan)

@@ -49,6 +49,7 @@ __all__ = [
     "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
     "cpu_attention_with_kv_cache", "metadata_numel",
     "LINEAR_PANEL", "PACKED_LINEAR_DTYPES", "pack_linear_weight", "packed_linear",
+    "dpbf16_linear_available", "pack_linear_weight_dpbf16", "packed_linear_dpbf16",
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
 ]
 
@@ -397,6 +398,56 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     if not native_available():
         return _fallback("packed_linear").packed_linear(x, packed_weight, bias, n)
     return torch.ops.pagedattn.packed_linear(x, packed_weight, bias, n)
+
+
+def dpbf16_linear_available() -> bool:
+    """Whether :func:`packed_linear_dpbf16` runs here: the native extension with the
+    ``avx512bf16`` kernels in use (a CPU with AVX512-BF16, not forced to a lower ISA)."""
+    return native_available() and get_cpu_isa() is CpuIsa.AVX512BF16
+
+
+def pack_linear_weight_dpbf16(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's ``[out_features, in_features]`` weight in the layout
+    :func:`packed_linear_dpbf16` streams: bfloat16 ``[ceil(out_features / 16),
+    ceil(in_features / 2), 32]``, where ``[p, i, 2 c + t]`` holds ``W[16 p + c, 2 i + t]``
+    (pairs of inputs interleaved per column, the operand layout of ``vdpbf16ps``). Zero
+    columns pad the last panel, a zero input pads an odd ``in_features``. The weight is
+    rounded to bfloat16 (nearest even). Pack once, at load time."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("weight must be a 2-D tensor [out_features, in_features], got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    if weight.device.type != "cpu":
+        raise ValueError(f"weight must be a CPU tensor, got device {weight.device}")
+    n, k = weight.shape
+    panels, pairs = -(-n // LINEAR_PANEL), -(-k // 2)
+    padded = weight.new_zeros((panels * LINEAR_PANEL, 2 * pairs), dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    # [panel, column, pair, t] -> [panel, pair, column, t]
+    return (padded.view(panels, LINEAR_PANEL, pairs, 2).permute(0, 2, 1, 3)
+            .reshape(panels, pairs, 2 * LINEAR_PANEL).contiguous())
+
+
+def packed_linear_dpbf16(x: torch.Tensor, packed_weight: torch.Tensor,
+                         bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ W.T + bias`` on AVX512-BF16's ``vdpbf16ps``, for a weight packed by
+    :func:`pack_linear_weight_dpbf16`.
+
+    Args:
+        x: float32 ``[num_tokens, in_features]`` (any strides), rounded to bfloat16
+            (nearest even; fp32 subnormals, ``|x| < 2**-126``, become zero) once per call.
+        packed_weight: bfloat16 ``[ceil(out_features / 16), ceil(in_features / 2), 32]``.
+        bias: float32 ``[out_features]`` or None (added in fp32).
+        out_features: the layer's output width.
+
+    Returns float32 ``[num_tokens, out_features]``: exact products of the bf16 operands,
+    summed in fp32. Raises NotImplementedError unless :func:`dpbf16_linear_available`.
+    """
+    n = _int64("out_features", out_features)
+    if not native_available():
+        _require_native("packed_linear_dpbf16")
+    return torch.ops.pagedattn.packed_linear_dpbf16(x, packed_weight, bias, n)
 
 
 # ------------------------------------------------------------------ layer steps (fp32)

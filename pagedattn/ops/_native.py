@@ -73,6 +73,10 @@ if AVAILABLE:
     def _packed_linear_fake(x, packed_weight, bias, out_features):
         return x.new_empty((x.shape[0], out_features))
 
+    @torch.library.register_fake("pagedattn::packed_linear_dpbf16")
+    def _packed_linear_dpbf16_fake(x, packed_weight, bias, out_features):
+        return x.new_empty((x.shape[0], out_features))
+
     @torch.library.register_fake("pagedattn::rms_norm")
     def _rms_norm_fake(x, weight, eps):
         return x.new_empty(x.shape)

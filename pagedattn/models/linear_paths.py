@@ -1,0 +1,494 @@
+"""Linear layers whose kernel is picked by measurement on this machine, per (layer shape,
+row-count bucket).
+
+Candidates (:class:`LinearPath`), fp32 activations in and out of every one:
+
+* ``packed``: :func:`pagedattn.ops.packed_linear`, the weight in the model dtype widened to
+  fp32 in registers. Any ISA; streams the weight at memory speed (decode rows).
+* ``dpbf16``: :func:`pagedattn.ops.packed_linear_dpbf16`, bf16 activations and weights on
+  ``vdpbf16ps``. bf16 weights and the ``avx512bf16`` kernels only.
+* ``torch``: ``F.linear`` in the weight dtype: bf16/fp16 activations into oneDNN's GEMM
+  (AMX or ``vdpbf16ps`` where torch has a native half GEMM), or fp32 into MKL.
+* ``onednn``: the same GEMM on a weight reordered once, at load, into oneDNN's blocked
+  layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what
+  Inductor's CPU weight prepacking uses): ``F.linear`` reorders the weight on every call.
+
+An fp32 model only gets fp32 candidates: its activations are never rounded to bf16.
+
+:func:`install_linear_paths` replaces a model's ``nn.Linear`` layers by
+:class:`MeasuredLinear` modules, times every candidate per distinct (in_features,
+out_features, weight dtype) at one row count per bucket (:data:`ROW_BUCKETS`), and keeps the
+fastest per bucket. Choices are cached in ``$XDG_CACHE_HOME/pagedattn/linear-paths.json``
+(default ``~/.cache``) under a key of CPU model, CPU flags, threads, torch version and the
+kernels' ISA; a file with another key, or one that cannot be read, is ignored and rewritten.
+Choices measured while other processes load the cores are used but not cached.
+``PAGEDATTN_LINEAR_PATH=<path>`` (or ``force=``) skips the measurement and uses one path.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedattn import ops
+from pagedattn.bench.probes import cpu_model
+
+FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
+CACHE_FORMAT = 1
+
+
+class LinearPath(str, enum.Enum):
+    PACKED = "packed"
+    DPBF16 = "dpbf16"
+    TORCH = "torch"
+    ONEDNN = "onednn"
+
+    @classmethod
+    def parse(cls, name: str | LinearPath) -> LinearPath:
+        try:
+            return cls(name)
+        except ValueError:
+            valid = ", ".join(p.value for p in cls)
+            raise ValueError(f"linear path must be one of {valid}, got {name!r}") from None
+
+
+@dataclass(frozen=True)
+class RowBucket:
+    """Row counts ``lo..hi`` (``hi`` None: unbounded), timed at ``probe`` rows."""
+
+    lo: int
+    hi: int | None
+    probe: int
+
+    @property
+    def label(self) -> str:
+        if self.hi is None:
+            return f"{self.lo}+"
+        return str(self.lo) if self.lo == self.hi else f"{self.lo}-{self.hi}"
+
+
+# Fixed edges; the path per bucket is measured. Probes: the geometric middle of the bucket
+# (decode batches of 32 fall in 17-64; the open bucket is timed at 512 rows).
+ROW_BUCKETS = (RowBucket(1, 1, 1), RowBucket(2, 4, 3), RowBucket(5, 16, 9),
+               RowBucket(17, 64, 33), RowBucket(65, 256, 129), RowBucket(257, None, 512))
+_DIRECT_ROWS = ROW_BUCKETS[-1].lo  # row counts below this index a list; the rest the last bucket
+
+
+def _bucket_index(rows: int) -> int:
+    for i, b in enumerate(ROW_BUCKETS):
+        if b.hi is None or rows <= b.hi:
+            return i
+    raise AssertionError("the last bucket is unbounded")
+
+
+# ------------------------------------------------------------------ availability
+
+
+def torch_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether torch has a native ``dtype`` GEMM on this CPU (oneDNN with AVX512-BF16/AMX
+    for bf16, AVX512-FP16/AMX-FP16 for fp16); without one its half linear is emulated."""
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported",
+             torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    try:
+        return probe is not None and bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.cache
+def _onednn_linear_error(dtype: torch.dtype) -> str | None:
+    """Why torch's prepacked oneDNN linear ops do not run ``dtype`` here (private ops:
+    probed once with a tiny layer rather than trusted), or None."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN"
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), None)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), w, None,
+                                               "none", [None], "")
+    except (AttributeError, RuntimeError) as exc:
+        return f"torch's prepacked oneDNN linear failed: {str(exc).splitlines()[0][:120]}"
+    return None if torch.equal(y.float(), torch.full((1, 2), 2.0)) else \
+        "torch's prepacked oneDNN linear gave a wrong result"
+
+
+def unavailable_reasons(path: LinearPath, weight_dtype: torch.dtype) -> list[str]:
+    """Why ``path`` cannot run layers with ``weight_dtype`` weights here (empty: it can)."""
+    reasons = []
+    if path in (LinearPath.PACKED, LinearPath.DPBF16) and not ops.native_available():
+        reasons.append("needs the native extension pagedattn._C")
+    if path is LinearPath.DPBF16:
+        if weight_dtype != torch.bfloat16:
+            reasons.append(f"takes bfloat16 weights only, got {weight_dtype}")
+        if ops.native_available() and not ops.dpbf16_linear_available():
+            reasons.append(f"needs the avx512bf16 kernels, in use: {ops.get_cpu_isa().value}")
+    if path in (LinearPath.TORCH, LinearPath.ONEDNN) and weight_dtype != torch.float32 \
+            and not torch_half_gemm(weight_dtype):
+        reasons.append(f"torch has no native {weight_dtype} GEMM on this CPU (emulated, slow)")
+    elif path is LinearPath.ONEDNN and weight_dtype in ops.PACKED_LINEAR_DTYPES:
+        error = _onednn_linear_error(weight_dtype)
+        if error:
+            reasons.append(error)
+    if weight_dtype not in ops.PACKED_LINEAR_DTYPES:
+        reasons.append(f"weights must be one of {ops.PACKED_LINEAR_DTYPES}, got {weight_dtype}")
+    return reasons
+
+
+def candidate_paths(weight_dtype: torch.dtype) -> list[LinearPath]:
+    return [p for p in LinearPath if not unavailable_reasons(p, weight_dtype)]
+
+
+def forced_path(force: str | LinearPath | None = None) -> LinearPath | None:
+    """``force``, else ``$PAGEDATTN_LINEAR_PATH``, parsed; None when neither is set."""
+    name = force if force is not None else os.environ.get(FORCE_ENV) or None
+    return None if name is None else LinearPath.parse(name)
+
+
+# ------------------------------------------------------------------ the layer
+
+
+class MeasuredLinear(nn.Module):
+    """A linear layer with fp32 activations that runs, per row count, the path chosen for
+    its bucket (:meth:`set_choices`). It holds the weight in the form each of its paths
+    needs (``packed_weight`` / ``dp_weight`` / ``weight``) and drops the unused ones once
+    the choices are set. Bias: float32, added in fp32."""
+
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype,
+                 paths: list[LinearPath]) -> None:
+        super().__init__()
+        if not paths:
+            raise ValueError(f"no linear path runs {weight_dtype} weights here: " + "; ".join(
+                f"{p.value}: {', '.join(unavailable_reasons(p, weight_dtype))}" for p in LinearPath))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_dtype = weight_dtype
+        w = linear.weight.detach()
+        self.register_buffer("packed_weight", ops.pack_linear_weight(w, weight_dtype)
+                             if LinearPath.PACKED in paths else None)
+        self.register_buffer("dp_weight", ops.pack_linear_weight_dpbf16(w)
+                             if LinearPath.DPBF16 in paths else None)
+        self.register_buffer("weight", w.to(weight_dtype).contiguous()
+                             if LinearPath.TORCH in paths else None)
+        # An opaque oneDNN tensor: a plain attribute, not a buffer (state_dict, .to() and
+        # deepcopy do not take it).
+        self.onednn_weight = (torch.ops.mkldnn._reorder_linear_weight(w.to(weight_dtype), None)
+                              if LinearPath.ONEDNN in paths else None)
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.register_buffer("bias", bias)
+        self.paths = list(paths)
+        self.set_choices([self.paths[0]] * len(ROW_BUCKETS))
+
+    @property
+    def shape_key(self) -> str:
+        return f"{self.in_features}x{self.out_features}:{str(self.weight_dtype).split('.')[-1]}"
+
+    def runner(self, path: LinearPath) -> Callable[[torch.Tensor], torch.Tensor]:
+        return {LinearPath.PACKED: self._packed, LinearPath.DPBF16: self._dpbf16,
+                LinearPath.TORCH: self._torch, LinearPath.ONEDNN: self._onednn}[path]
+
+    def set_choices(self, choices: list[LinearPath]) -> None:
+        """One path per :data:`ROW_BUCKETS` entry; weights no chosen path reads are freed."""
+        assert len(choices) == len(ROW_BUCKETS) and set(choices) <= set(self.paths)
+        self.choices = list(choices)
+        by_bucket = [self.runner(p) for p in choices]
+        # forward indexes this by row count: one list lookup per call, no search
+        self._by_rows = [by_bucket[_bucket_index(max(m, 1))] for m in range(_DIRECT_ROWS)]
+        self._big = by_bucket[-1]
+
+    def release_unused(self) -> None:
+        used = set(self.choices)
+        self.paths = [p for p in self.paths if p in used]
+        for path, name in ((LinearPath.PACKED, "packed_weight"), (LinearPath.DPBF16, "dp_weight"),
+                           (LinearPath.TORCH, "weight"), (LinearPath.ONEDNN, "onednn_weight")):
+            if path not in used:
+                setattr(self, name, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        m = x.shape[0]
+        return (self._by_rows[m] if m < _DIRECT_ROWS else self._big)(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pagedattn.packed_linear(x, self.packed_weight, self.bias, self.out_features)
+
+    def _dpbf16(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pagedattn.packed_linear_dpbf16(x, self.dp_weight, self.bias,
+                                                        self.out_features)
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x.to(self.weight.dtype), self.weight).float()
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.onednn_weight
+        out = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [None], "")
+        out = out.float()  # a no-op for fp32
+        return out if self.bias is None else out.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        chosen = ", ".join(f"{b.label}:{p.value}" for b, p in zip(ROW_BUCKETS, self.choices))
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight_dtype={self.weight_dtype}, bias={self.bias is not None}, rows=[{chosen}]")
+
+
+# ------------------------------------------------------------------ the cache
+
+
+def cpu_flags() -> str:
+    """A digest of this CPU's feature flags (``/proc/cpuinfo``; empty where unreadable)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("flags", "features")):
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                    break
+    except OSError:
+        pass
+    return "sha256:" + hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
+def machine_key() -> dict:
+    """What the measured choices depend on; a cache with another key is re-measured."""
+    return {"format": CACHE_FORMAT, "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "isa": ops.get_cpu_isa().value if ops.native_available() else "none"}
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedattn" / "linear-paths.json"
+
+
+def load_cache(key: dict, path: Path | None = None) -> dict:
+    """The cached ``{shape_key: [bucket entry, ...]}`` for ``key``; empty when the file is
+    missing, unreadable, corrupt, or written under another key."""
+    path = path or cache_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("shapes"), dict):
+        return {}
+    return data["shapes"]
+
+
+def save_cache(key: dict, shapes: dict, path: Path | None = None) -> str | None:
+    """Write the cache atomically; the error text where it cannot be written."""
+    path = path or cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "shapes": shapes}, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+# ------------------------------------------------------------------ measurement
+
+
+@dataclass
+class BucketChoice:
+    """The path of one (shape, bucket) and where it came from: ``measured`` now, ``cached``,
+    ``forced``, or ``unmeasured`` (the tuning time cap ran out: a measured neighbour's)."""
+
+    rows: str
+    path: str
+    source: str
+    times_us: dict[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        times = ", ".join(f"{p} {t:.0f} us" for p, t in sorted(self.times_us.items(),
+                                                               key=lambda kv: kv[1]))
+        return f"rows {self.rows:>7}: {self.path:<6} [{self.source}{': ' + times if times else ''}]"
+
+
+@dataclass
+class LinearPlan:
+    """Every shape's choices, for ``--verbose`` and the benchmarks."""
+
+    shapes: dict[str, list[BucketChoice]]
+    seconds: float = 0.0
+    cache_file: str | None = None
+    cache_error: str | None = None
+
+    def lines(self) -> list[str]:
+        out = [f"linear paths ({self.seconds:.1f} s; cache {self.cache_file or 'unused'}"
+               + (f", not written: {self.cache_error}" if self.cache_error else "") + ")"]
+        for shape, buckets in self.shapes.items():
+            out.append(f"  {shape}")
+            out.extend(f"    {b.line()}" for b in buckets)
+        return out
+
+    def to_json(self) -> dict:
+        return {"seconds": self.seconds, "cache_file": self.cache_file,
+                "shapes": {s: [asdict(b) for b in bs] for s, bs in self.shapes.items()}}
+
+
+def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
+               min_rounds: int = 3, max_rounds: int = 50,
+               budget_s: float = 0.03) -> dict[str, float]:
+    """Best time (us) of each path of ``layers`` (same shape and paths) on ``rows`` random
+    rows: ``min_rounds`` rounds, then more (up to ``max_rounds``) while the rounds have
+    used under ``budget_s`` -- small calls get many tries, so one that no other process
+    interrupted is among them. Paths are timed in turns, one call each per round, so a
+    burst of load hits them alike; round ``i`` runs layer ``i % len(layers)``, so, as in
+    a forward pass, a call seldom finds its weights in the core's own cache."""
+    # own generator: tuning must not move the global RNG that seeded sampling draws from
+    x = torch.randn(rows, layers[0].in_features, generator=torch.Generator().manual_seed(rows))
+    names = [p.value for p in layers[0].paths]
+    for path in layers[0].paths:
+        layers[0].runner(path)(x)  # warm-up: first touch, oneDNN's primitive creation
+    best = dict.fromkeys(names, math.inf)
+    start = time.perf_counter()
+    for i in range(max_rounds):
+        layer = layers[(i + 1) % len(layers)]
+        for path in layer.paths:
+            fn = layer.runner(path)
+            t0 = time.perf_counter()
+            fn(x)
+            best[path.value] = min(best[path.value], time.perf_counter() - t0)
+        now = time.perf_counter()
+        if now >= deadline or (i + 1 >= min_rounds and now - start >= budget_s):
+            break
+    return {name: t * 1e6 for name, t in best.items()}
+
+
+def _measure_shape(layers: list[MeasuredLinear], deadline: float) -> list[BucketChoice]:
+    choices: list[BucketChoice | None] = []
+    for bucket in ROW_BUCKETS:
+        if time.perf_counter() >= deadline:
+            choices.append(None)
+            continue
+        times = time_paths(layers, bucket.probe, deadline)
+        choices.append(BucketChoice(bucket.label, min(times, key=times.get), "measured", times))
+    measured = [c for c in choices if c is not None]
+    fallback = measured[-1].path if measured else layers[0].paths[0].value
+    return [c if c is not None else BucketChoice(b.label, fallback, "unmeasured")
+            for b, c in zip(ROW_BUCKETS, choices)]
+
+
+def _valid_cached(entry, paths: list[LinearPath]) -> list[BucketChoice] | None:
+    names = {p.value for p in paths}
+    try:
+        got = [BucketChoice(**{**e, "source": "cached"}) for e in entry]
+    except TypeError:
+        return None
+    # measured among exactly today's candidates: a path added since (or one gone) re-measures
+    if [c.rows for c in got] != [b.label for b in ROW_BUCKETS] or any(
+            c.path not in names or set(c.times_us) != names for c in got):
+        return None
+    return got
+
+
+def machine_busy() -> str | None:
+    """Why measurements now would misjudge the paths (other processes hold the cores), or
+    None. Choices measured then are used but not cached."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cores = os.cpu_count() or 1
+    return f"load average {load:.1f} > {cores} cores" if load > cores else None
+
+
+def plan_layers(layers: list[MeasuredLinear], force: str | LinearPath | None = None,
+                budget_s: float = 10.0, cache: bool = True,
+                busy: str | None | bool = True) -> LinearPlan:
+    """Choose each layer's path per bucket (forced, cached, or measured within ``budget_s``
+    seconds in all) and apply the choices; returns what was chosen and why. ``busy``: the
+    reason fresh measurements are not cached, ``True`` to ask :func:`machine_busy`,
+    ``None``/``False``: cache them."""
+    start = time.perf_counter()
+    busy = machine_busy() if busy is True else (busy or None)
+    groups: dict[str, list[MeasuredLinear]] = {}
+    for layer in layers:
+        groups.setdefault(layer.shape_key, []).append(layer)
+    forced = forced_path(force)
+    key = machine_key()
+    cached = load_cache(key) if cache and forced is None else {}
+    plan = LinearPlan({})
+    deadline = start + budget_s
+    for shape, members in groups.items():
+        first = members[0]
+        if forced is not None:
+            if forced not in first.paths:
+                raise ValueError(f"linear path {forced.value!r} cannot run {shape}: "
+                                 + "; ".join(unavailable_reasons(forced, first.weight_dtype)))
+            choices = [BucketChoice(b.label, forced.value, "forced") for b in ROW_BUCKETS]
+        else:
+            choices = _valid_cached(cached.get(shape), first.paths) if shape in cached else None
+            choices = choices or _measure_shape(members, deadline)
+        plan.shapes[shape] = choices
+        for layer in members:
+            layer.set_choices([LinearPath(c.path) for c in choices])
+            layer.release_unused()
+    if forced is None and cache and any(c.source == "measured" for cs in plan.shapes.values() for c in cs):
+        keep = {s: [asdict(c) for c in cs] for s, cs in plan.shapes.items()
+                if all(c.source in ("measured", "cached") for c in cs)}
+        plan.cache_error = (f"measured while busy ({busy})" if busy
+                            else save_cache(key, {**cached, **keep}))
+    plan.cache_file = str(cache_path()) if cache and forced is None else None
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def describe_here() -> list[str]:
+    """``pagedattn info``'s lines: each weight dtype's candidates (or why a path is out),
+    and the cached choices when the cache's key is this machine's."""
+    lines = []
+    for dtype in ops.PACKED_LINEAR_DTYPES:
+        parts = []
+        for path in LinearPath:
+            reasons = unavailable_reasons(path, dtype)
+            parts.append(path.value if not reasons else f"({path.value}: {'; '.join(reasons)})")
+        lines.append(f"  {str(dtype).split('.')[-1]:<9} {', '.join(parts)}")
+    key, path = machine_key(), cache_path()
+    shapes = load_cache(key)
+    if shapes:
+        lines.append(f"  cached choices ({path}):")
+        for shape, entries in shapes.items():
+            chosen = ", ".join(f"{e.get('rows')}:{e.get('path')}" for e in entries)
+            lines.append(f"    {shape:<20} {chosen}")
+    else:
+        state = "none for this key" if path.exists() else "none"
+        lines.append(f"  cached choices: {state} ({path}; measured when a model loads)")
+    return lines
+
+
+def install_linear_paths(model: nn.Module, weight_dtype: torch.dtype,
+                         force: str | LinearPath | None = None, budget_s: float = 10.0,
+                         cache: bool = True, busy: str | None | bool = True) -> LinearPlan:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`MeasuredLinear` with
+    ``weight_dtype`` weights, then plan their paths (:func:`plan_layers`). Call after
+    loading the weights and casting the model to fp32."""
+    paths = candidate_paths(weight_dtype)
+    layers: list[MeasuredLinear] = []
+
+    def replace(module: nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                layer = MeasuredLinear(child, weight_dtype, paths)
+                setattr(module, name, layer)
+                layers.append(layer)
+            else:
+                replace(child)
+
+    replace(model)
+    with torch.inference_mode():
+        return plan_layers(layers, force, budget_s, cache, busy)

@@ -1,0 +1,335 @@
+"""Measured linear paths (``pagedattn.models.linear_paths``): every path forced on every ISA
+against a float64 reference, the vdpbf16ps op's layout, validation and fake, the per-bucket
+dispatch, and the per-machine cache (key fields; stale, corrupt and unwritable files)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from pagedattn import ops
+from pagedattn.models import linear_paths as lp
+from pagedattn.models.linear_paths import LinearPath, MeasuredLinear
+
+needs_native = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
+needs_dpbf16 = pytest.mark.skipif(
+    not ops.native_available() or ops.CpuIsa.AVX512BF16 not in ops.supported_cpu_isas(),
+    reason="this CPU has no AVX512-BF16 (or the native extension is not built)")
+
+U32 = 2.0 ** -24
+# Unit roundoff of the activations each path feeds its GEMM, and of the GEMM's output
+# before it is widened back to fp32 (oneDNN's half GEMM returns the weight dtype).
+HALF_U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
+
+
+def error_bound(path: LinearPath, x, w, weight_dtype, expected, bias):
+    """Worst case of ``|out - x @ w.T - bias|`` in float64, ``w`` already in ``weight_dtype``:
+    rounding each activation (relative ``u_a`` per operand; the weights are exact), an fp32
+    sum of ``k`` products in any order (``(k + 1) u32 sum |x w|``, Higham eq. 3.5), the
+    GEMM output's rounding (``u_o``) and one fp32 rounding of the bias add."""
+    k = x.shape[1]
+    mags = x.double().abs() @ w.double().abs().T
+    u_a = 0.0 if path is LinearPath.PACKED else HALF_U[weight_dtype]
+    u_o = HALF_U[weight_dtype] if path in (LinearPath.TORCH, LinearPath.ONEDNN) else 0.0
+    acc = u_a * mags + (k + 1) * U32 * (1 + u_a) * mags
+    bound = acc + u_o * (mags + acc)
+    return bound + U32 * (expected.abs() + bound) + 1e-30
+
+
+def make_layer(n, k, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(n, generator=gen))
+    return layer
+
+
+def require(path: LinearPath, weight_dtype: torch.dtype) -> None:
+    reasons = lp.unavailable_reasons(path, weight_dtype)
+    if reasons:
+        pytest.skip(f"{path.value} with {weight_dtype}: {'; '.join(reasons)}")
+
+
+# (out_features, in_features): widths off the 16-column panel and the 4-panel tile, an odd
+# depth (a padded k pair), and a SmolLM2-like projection.
+SHAPES = [(50, 33), (37, 64), (200, 576)]
+
+
+@needs_native
+@pytest.mark.parametrize("path", list(LinearPath), ids=lambda p: p.value)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("rows", [1, 7, 32, 257])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}k{}".format(*s))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_forced_path_matches_float64(isa, path, weight_dtype, rows, shape, with_bias):
+    require(path, weight_dtype)
+    n, k = shape
+    linear = make_layer(n, k, with_bias, seed=n + k + rows)
+    layer = MeasuredLinear(linear, weight_dtype, [path])
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    out = layer(x)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    w = linear.weight.detach().to(weight_dtype).double()
+    expected = x.double() @ w.T
+    if with_bias:
+        expected += linear.bias.detach().double()
+    bound = error_bound(path, x, w, weight_dtype, expected, with_bias)
+    err = (out.double() - expected).abs()
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+@needs_native
+def test_fp32_weights_never_get_bf16_activations():
+    paths = lp.candidate_paths(torch.float32)
+    assert LinearPath.DPBF16 not in paths and LinearPath.PACKED in paths
+    layer = MeasuredLinear(make_layer(40, 24, True), torch.float32, paths)
+    assert layer.dp_weight is None
+    assert layer.weight is None or layer.weight.dtype == torch.float32
+    assert "bfloat16 weights only" in " ".join(lp.unavailable_reasons(LinearPath.DPBF16,
+                                                                      torch.float32))
+
+
+@needs_native
+def test_dispatch_follows_the_bucket_choices():
+    paths = lp.candidate_paths(torch.bfloat16)
+    if len(paths) < 2:
+        pytest.skip("one linear path for bf16 weights here: nothing to alternate")
+    layer = MeasuredLinear(make_layer(40, 24, False), torch.bfloat16, paths)
+    choices = [paths[i % 2] for i in range(len(lp.ROW_BUCKETS))]
+    layer.set_choices(choices)
+    for bucket, path in zip(lp.ROW_BUCKETS, choices):
+        for rows in {bucket.lo, bucket.probe, bucket.hi or 600}:
+            x = torch.randn(rows, 24)
+            assert torch.equal(layer(x), layer.runner(path)(x)), (bucket.label, rows, path)
+    x3 = torch.randn(2, 3, 24)  # 3-D input: flattened to rows and back
+    torch.testing.assert_close(layer(x3), layer(x3.reshape(6, 24)).view(2, 3, 40))
+    layer.release_unused()
+    assert set(layer.paths) == set(choices)
+
+
+# ------------------------------------------------------------------ the vdpbf16ps op
+
+
+def test_pack_dpbf16_layout():
+    w = torch.arange(37 * 5, dtype=torch.float32).view(37, 5)  # exact in bf16 (< 256)
+    packed = ops.pack_linear_weight_dpbf16(w)
+    assert packed.shape == (3, 3, 32) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    for col in range(48):
+        for kk in range(6):
+            expected = float(w[col, kk]) if col < 37 and kk < 5 else 0.0
+            got = float(packed[col // 16, kk // 2, 2 * (col % 16) + kk % 2])
+            assert got == expected, (col, kk)
+
+
+@pytest.mark.parametrize("weight, exc, match", [
+    (torch.zeros(4), ValueError, "2-D"),
+    (torch.zeros(4, 4, dtype=torch.int32), TypeError, "floating-point"),
+    ("w", ValueError, "2-D"),
+])
+def test_pack_dpbf16_rejects(weight, exc, match):
+    with pytest.raises(exc, match=match):
+        ops.pack_linear_weight_dpbf16(weight)
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("case, exc, match", [
+    ("x_bf16", TypeError, "x must be float32"),
+    ("x_3d", ValueError, r"x must be 2-D"),
+    ("k_mismatch", ValueError, "x has 10 features but packed_weight has 4 pairs"),
+    ("n_mismatch", ValueError, "out_features 40 does not match packed_weight's 2 panels"),
+    ("bias_shape", ValueError, r"bias must be \[20\]"),
+    ("bias_dtype", TypeError, "bias must be float32"),
+    ("packed_fp32", TypeError, "packed_weight must be bfloat16"),
+    ("packed_plain_layout", ValueError, r"packed_weight must be 3-D \[ceil\(out_features / 16\), "
+                                        r"ceil\(in_features / 2\), 32\]"),
+    ("packed_strided", ValueError, "packed_weight must be contiguous"),
+    ("out_features_big", ValueError, "out_features must be an int in int64 range"),
+    ("isa_without_bf16_dot", NotImplementedError, "needs the avx512bf16 kernels"),
+])
+def test_packed_linear_dpbf16_rejects(case, exc, match):
+    x, n, bias = torch.randn(3, 8), 20, None
+    packed = ops.pack_linear_weight_dpbf16(torch.randn(20, 8))
+    if case == "x_bf16":
+        x = x.bfloat16()
+    elif case == "x_3d":
+        x = x.view(3, 2, 4)
+    elif case == "k_mismatch":
+        x = torch.randn(3, 10)
+    elif case == "n_mismatch":
+        n = 40
+    elif case == "bias_shape":
+        bias = torch.randn(21)
+    elif case == "bias_dtype":
+        bias = torch.randn(20, dtype=torch.float64)
+    elif case == "packed_fp32":
+        packed = packed.float()
+    elif case == "packed_plain_layout":
+        packed = ops.pack_linear_weight(torch.randn(20, 8), torch.bfloat16)
+    elif case == "packed_strided":
+        packed = torch.zeros(2, 32, 4, dtype=torch.bfloat16).transpose(1, 2)
+    elif case == "out_features_big":
+        n = 2 ** 64
+    with pytest.raises(exc, match=match):
+        if case == "isa_without_bf16_dot":
+            with ops.use_cpu_isa("avx512"):
+                ops.packed_linear_dpbf16(x, packed, bias, n)
+        else:
+            ops.packed_linear_dpbf16(x, packed, bias, n)
+
+
+@needs_dpbf16
+def test_packed_linear_dpbf16_opcheck_and_edges():
+    x, w = torch.randn(5, 23), torch.randn(40, 23)
+    packed = ops.pack_linear_weight_dpbf16(w)
+    for bias in (None, torch.randn(40)):
+        torch.library.opcheck(torch.ops.pagedattn.packed_linear_dpbf16, (x, packed, bias, 40))
+    assert ops.packed_linear_dpbf16(torch.empty(0, 23), packed, None, 40).shape == (0, 40)
+    strided = torch.randn(23, 5).T  # last dim strided: copied first
+    torch.testing.assert_close(ops.packed_linear_dpbf16(strided, packed, None, 40),
+                               ops.packed_linear_dpbf16(strided.contiguous(), packed, None, 40))
+    # NaN/inf in the row after the last feature must not leak through the padded pair
+    wide = torch.full((5, 24), float("nan"))
+    wide[:, :23] = x
+    torch.testing.assert_close(ops.packed_linear_dpbf16(wide[:, :23], packed, None, 40),
+                               ops.packed_linear_dpbf16(x, packed, None, 40))
+
+
+@needs_dpbf16
+def test_packed_linear_dpbf16_compiles_fullgraph():
+    x, w, bias = torch.randn(5, 23), torch.randn(40, 23), torch.randn(40)
+    packed = ops.pack_linear_weight_dpbf16(w)
+
+    def step(x):
+        return torch.ops.pagedattn.packed_linear_dpbf16(x, packed, bias, 40).relu()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ choosing and caching
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(lp.FORCE_ENV, raising=False)
+    return tmp_path / "pagedattn"
+
+
+def small_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 24, bias=False),
+                         nn.Linear(24, 40))
+
+
+@needs_native
+def test_install_measures_caches_and_reuses(cache_dir):
+    net = small_net()
+    x = torch.randn(3, 24)
+    expected = net(x)
+    plan = lp.install_linear_paths(net, torch.float32, busy=False)
+    assert not any(isinstance(m, nn.Linear) for m in net.modules())
+    torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
+    assert list(plan.shapes) == ["24x40:float32", "40x24:float32"]  # shared by two layers
+    assert all(c.source == "measured" and c.times_us for cs in plan.shapes.values() for c in cs)
+    data = json.loads((cache_dir / "linear-paths.json").read_text())
+    assert set(data["key"]) == {"format", "cpu_model", "cpu_flags", "threads", "torch", "isa"}
+    assert data["key"] == lp.machine_key()
+    assert data["key"]["threads"] == torch.get_num_threads()
+    assert data["key"]["torch"] == torch.__version__
+    again = lp.install_linear_paths(small_net(), torch.float32, busy=False)
+    assert all(c.source == "cached" for cs in again.shapes.values() for c in cs)
+    assert [c.path for c in again.shapes["24x40:float32"]] == [c.path for c in plan.shapes["24x40:float32"]]
+    assert any("rows       1:" in line for line in again.lines())
+
+
+@needs_native
+@pytest.mark.parametrize("damage", ["stale_threads", "stale_torch", "stale_flags", "garbage",
+                                    "wrong_json", "bad_entry", "fewer_candidates"])
+def test_stale_or_corrupt_cache_is_remeasured_and_rewritten(cache_dir, damage):
+    lp.install_linear_paths(small_net(), torch.float32, busy=False)
+    path = cache_dir / "linear-paths.json"
+    data = json.loads(path.read_text())
+    if damage.startswith("stale_"):
+        field = {"stale_threads": "threads", "stale_torch": "torch", "stale_flags": "cpu_flags"}[damage]
+        data["key"][field] = "something else"
+        path.write_text(json.dumps(data))
+    elif damage == "garbage":
+        path.write_bytes(b"\x00\xff{not json")
+    elif damage == "wrong_json":
+        path.write_text("[1, 2, 3]")
+    elif damage == "bad_entry":
+        data["shapes"]["24x40:float32"] = [{"rows": "1", "path": "no-such-path"}]
+        path.write_text(json.dumps(data))
+    else:  # measured before a path existed: its times lack that path
+        for entry in data["shapes"]["24x40:float32"]:
+            entry["times_us"].pop(entry["path"] if entry["path"] != "packed" else "torch", None)
+        path.write_text(json.dumps(data))
+    plan = lp.install_linear_paths(small_net(), torch.float32, busy=False)
+    assert plan.shapes["24x40:float32"][0].source == "measured"
+    rewritten = json.loads(path.read_text())
+    assert rewritten["key"] == lp.machine_key()
+    assert [e["path"] for e in rewritten["shapes"]["24x40:float32"]] == \
+        [c.path for c in plan.shapes["24x40:float32"]]
+
+
+@needs_native
+def test_unwritable_cache_is_reported_not_raised(cache_dir):
+    (cache_dir / "linear-paths.json").mkdir(parents=True)  # a directory where the file goes
+    plan = lp.install_linear_paths(small_net(), torch.float32, busy=False)
+    assert plan.cache_error and all(c.source == "measured" for c in plan.shapes["24x40:float32"])
+
+
+@needs_native
+def test_busy_machine_measures_but_does_not_cache(cache_dir):
+    plan = lp.install_linear_paths(small_net(), torch.float32, busy="load average 9.0 > 2 cores")
+    assert all(c.source == "measured" for cs in plan.shapes.values() for c in cs)
+    assert "busy" in plan.cache_error and not (cache_dir / "linear-paths.json").exists()
+    assert any("not written: measured while busy" in line for line in plan.lines())
+
+
+@needs_native
+def test_time_cap_leaves_buckets_unmeasured_and_uncached(cache_dir):
+    plan = lp.install_linear_paths(small_net(), torch.float32, budget_s=0.0, busy=False)
+    assert all(c.source == "unmeasured" for cs in plan.shapes.values() for c in cs)
+    assert not (cache_dir / "linear-paths.json").exists()
+
+
+@needs_native
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_forced_path(cache_dir, monkeypatch, how):
+    if how == "env":
+        monkeypatch.setenv(lp.FORCE_ENV, "packed")
+    net = small_net()
+    plan = lp.install_linear_paths(net, torch.float32, force="packed" if how == "argument" else None)
+    assert all(c.source == "forced" and c.path == "packed" for cs in plan.shapes.values() for c in cs)
+    assert all(m.paths == [LinearPath.PACKED] for m in net.modules() if isinstance(m, MeasuredLinear))
+    assert not (cache_dir / "linear-paths.json").exists()
+
+
+@needs_native
+def test_forced_path_rejections(cache_dir, monkeypatch):
+    with pytest.raises(ValueError, match="linear path must be one of packed, dpbf16, torch, onednn, got 'amx'"):
+        lp.install_linear_paths(small_net(), torch.float32, force="amx")
+    with pytest.raises(ValueError, match="linear path 'dpbf16' cannot run 24x40:float32: .*bfloat16"):
+        lp.install_linear_paths(small_net(), torch.float32, force="dpbf16")
+    monkeypatch.setenv(lp.FORCE_ENV, "fast")
+    with pytest.raises(ValueError, match="got 'fast'"):
+        lp.install_linear_paths(small_net(), torch.float32, busy=False)
+
+
+@needs_native
+def test_info_lines_list_paths_and_cached_choices(cache_dir):
+    before = "\n".join(lp.describe_here())
+    assert "cached choices: none" in before
+    assert all(p.value in before for p in LinearPath)
+    assert "(dpbf16: takes bfloat16 weights only, got torch.float32)" in before
+    lp.install_linear_paths(small_net(), torch.float32, busy=False)
+    after = "\n".join(lp.describe_here())
+    assert "24x40:float32" in after and "257+:" in after
