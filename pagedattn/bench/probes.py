@@ -25,35 +25,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_LLC_BYTES = 32 << 20
+from pagedattn.machine import DEFAULT_LLC_BYTES, cpu_model, llc_bytes  # noqa: F401 (re-exported)
+
 PROBE_DTYPES = ("bfloat16", "float32")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def llc_bytes() -> int:
-    """Size of the largest CPU cache (sysfs), else 32 MiB."""
-    best = 0
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    for index in base.glob("index*"):
-        try:
-            text = (index / "size").read_text().strip().upper()
-        except OSError:
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            best = max(best, int(digits) * mult)
-    return best or DEFAULT_LLC_BYTES
 
 
 @dataclass

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn import ops
-from pagedattn.bench.probes import cpu_model
+from pagedattn.machine import cpu_model
 
 FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
 CACHE_FORMAT = 1
