@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = llm.linear_plan
         peer_info["pagedattn"] = {
             "dtype": args.dtype, "linear_impl": llm.linear_impl,
-            "linear_activations": str(llm.linear_dtype).split(".")[-1],
+            "linear_activations": str(llm.args.linear_dtype).split(".")[-1],
             "linear_paths": plan.to_json() if plan is not None else None}
         shares = attention_share(llm, loads)
     if "transformers" in peers:

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedattn.engine.llm import LLM
 from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.serve.engine_loop import EngineLoop
+from pagedattn.serve.engine_loop import EngineLoop, new_torch_thread
 from pagedattn.serve.metrics import ServeMetrics
 from pagedattn.serve.protocol import (
     APIError,
@@ -40,14 +40,16 @@ class ServeState:
     """What the routes share: the model, its engine loop or embedding worker, limits."""
 
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
-                 max_queued_requests: int | None = None) -> None:
+                 max_queued_requests: int | None = None,
+                 torch_thread: ThreadPoolExecutor | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
         self.max_queued_requests = max_queued_requests
         self.metrics = ServeMetrics(model_name)
-        self.loop = EngineLoop(llm.engine, self.metrics) if llm.engine is not None else None
-        self.embed_pool = ThreadPoolExecutor(1, "pagedattn-embed") if llm.embedder else None
+        torch_thread = torch_thread or new_torch_thread()
+        self.loop = EngineLoop(llm.engine, self.metrics, torch_thread) if llm.engine else None
+        self.embed_pool = torch_thread if llm.embedder else None
         self.started = time.time()
 
     def check_model(self, model: str) -> None:
@@ -260,9 +262,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = None,
-              max_queued_requests: int | None = None) -> FastAPI:
-    """The server's app; its lifespan starts and stops the engine thread."""
-    state = ServeState(llm, model_name or llm.args.model, api_key, max_queued_requests)
+              max_queued_requests: int | None = None,
+              torch_thread: ThreadPoolExecutor | None = None) -> FastAPI:
+    """The server's app; its lifespan starts and stops the engine thread. ``torch_thread``:
+    the thread that loaded ``llm`` (``engine_loop.new_torch_thread``), to run it there."""
+    state = ServeState(llm, model_name or llm.args.model, api_key, max_queued_requests,
+                       torch_thread)
 
     @asynccontextmanager
     async def lifespan(_app):

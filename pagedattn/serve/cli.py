@@ -44,6 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from pagedattn.serve.app import build_app
+        from pagedattn.serve.engine_loop import new_torch_thread
     except ImportError as exc:
         print(f"pagedattn serve needs the 'serve' extra (pip install 'pagedattn[serve]'): {exc}",
               file=sys.stderr)
@@ -56,9 +57,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pagedattn serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
-    llm = LLM(**vars(engine_args(args, seed=args.seed)))
+    torch_thread = new_torch_thread()  # loads the model and then runs it
+    llm = torch_thread.submit(LLM, **vars(engine_args(args, seed=args.seed))).result()
     name = args.served_model_name or args.model
-    app = build_app(llm, name, args.api_key, args.max_queued_requests)
+    app = build_app(llm, name, args.api_key, args.max_queued_requests, torch_thread)
     print(f"pagedattn serve: http://{args.host}:{args.port}/v1 serving {name!r}", flush=True)
     print(f"  {describe_engine(llm)}", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,0 +1,88 @@
+"""bf16 numerics are honest: teacher-forced next-token log-probs of the engine in bf16
+deviate from fp32 no more than transformers' own bf16 model does on the same tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the model tests need transformers")
+
+from pagedattn import LLM  # noqa: E402
+from pagedattn.backend import CommonAttentionMetadata  # noqa: E402
+
+from builtin_models import SMOLLM2, needs_smollm2  # noqa: E402
+
+TEXTS = [
+    "The capital of France is Paris. It is known for the Eiffel Tower and its museums, "
+    "and about two million people live in the city itself.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
+    "fibonacci(n - 2)\n",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen; it happens "
+    "in the chloroplasts of plant cells.",
+]
+
+
+def _engine_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """``[len(ids), vocab]`` log-probs of the engine's model over one whole sequence (the
+    engine is idle, so its cache blocks from 0 on are free to use)."""
+    engine = llm.engine
+    n, bs = len(ids), engine.attention.spec.block_size
+    common = CommonAttentionMetadata.from_lens([n], [n], block_size=bs)
+    metadata = engine.attention.builder.build(0, common)
+    with torch.inference_mode():
+        hidden = llm.model(torch.tensor(ids), torch.arange(n), engine.runner.kv_caches, metadata)
+        return torch.log_softmax(llm.model.compute_logits(hidden).float(), dim=-1)
+
+
+def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def tokens_and_fp32():
+    folder, file = os.path.split(SMOLLM2)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
+                                                            dtype=torch.float32).eval()
+    seqs = [tok(t).input_ids for t in TEXTS]
+    return folder, file, seqs, [_hf_logprobs(fp32, s) for s in seqs]
+
+
+def _deviation(logprobs: list[torch.Tensor], reference: list[torch.Tensor],
+               seqs: list[list[int]]) -> float:
+    """Mean |log p - log p_fp32| of the next token actually in the text, over every
+    position of every sequence (teacher-forced)."""
+    diffs = []
+    for lp, ref, ids in zip(logprobs, reference, seqs):
+        nxt = torch.tensor(ids[1:])
+        rows = torch.arange(len(ids) - 1)
+        diffs.append((lp[rows, nxt] - ref[rows, nxt]).abs())
+    return float(torch.cat(diffs).mean())
+
+
+@needs_smollm2
+@pytest.mark.parametrize("linear_impl", ["auto", "packed", "torch"])
+def test_bf16_logprobs_deviate_from_fp32_no_more_than_transformers_bf16(
+        tokens_and_fp32, linear_impl):
+    folder, file, seqs, fp32 = tokens_and_fp32
+    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
+                                                               dtype=torch.bfloat16).eval()
+    yardstick = _deviation([_hf_logprobs(hf_bf16, s) for s in seqs], fp32, seqs)
+    llm = LLM("smollm2", dtype="bfloat16", linear_impl=linear_impl, max_model_len=512,
+              kv_cache_memory="32MiB", enable_prefix_caching=False)
+    ours = _deviation([_engine_logprobs(llm, s) for s in seqs], fp32, seqs)
+    assert yardstick > 0  # bf16 really rounds: the comparison has something to say
+    assert ours <= yardstick, (f"engine bf16 ({linear_impl}) deviates {ours:.4f} from fp32, "
+                               f"transformers bf16 {yardstick:.4f}")
+
+
+@needs_smollm2
+def test_fp32_engine_logprobs_match_transformers_fp32(tokens_and_fp32):
+    _, _, seqs, fp32 = tokens_and_fp32
+    llm = LLM("smollm2", dtype="float32", max_model_len=512, kv_cache_memory="32MiB",
+              enable_prefix_caching=False)
+    assert _deviation([_engine_logprobs(llm, s) for s in seqs], fp32, seqs) < 1e-3
