@@ -6,7 +6,7 @@ Examples::
     python benchmarks/bench_vs_vllm.py --quick --json out.json
     python benchmarks/bench_vs_vllm.py --threads 4 --repeat 15
 
-Protocol (issue 5): ``--threads`` threads (2), 32 query / 8 KV heads, head size 128, bf16,
+Protocol: ``--threads`` threads (2), 32 query / 8 KV heads, head size 128, bf16,
 block 32; every call reads another randomly placed copy of the KV (the copies together
 exceed the LLC several times, so decode reads come from DRAM); median of ``--repeat``
 (>= 9) timed calls; all contenders in one process, on the same inputs, scenario by
@@ -334,7 +334,7 @@ def render(rows: list[Row]) -> str:
 
 def summary_line(rows: list[Row]) -> str:
     counts = {v: sum(r.verdict == v for r in rows) for v in ("PASS", "FAIL", "n/a")}
-    return (f"issue 5 targets: {counts['PASS']} PASS, {counts['FAIL']} FAIL, "
+    return (f"targets: {counts['PASS']} PASS, {counts['FAIL']} FAIL, "
             f"{counts['n/a']} n/a (of {sum(counts.values())} rows with a target)")
 
 
@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads for every contender (default 2); thread scaling compares "
                         "this count with 1 thread")
     p.add_argument("--repeat", type=int, default=9,
-                   help="timed calls per cell, median reported (issue 5 asks for >= 9)")
+                   help="timed calls per cell, median reported (the targets ask for >= 9)")
     p.add_argument("--warmup", type=float, default=None, metavar="SECONDS",
                    help="untimed calls per scenario x contender for at least this long before "
                         "the timed ones (default 0.1; the first calls of a process run slow)")
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
               f"sha256 {build['sha256']}")
     else:
         print("pagedattn extension: not built (reference fallback)")
-    print(f"issue 5: pagedattn vs vLLM CPU kernels -- {args.threads} threads, "
+    print(f"pagedattn vs vLLM CPU kernels -- {args.threads} threads, "
           f"{geometry.heads}/{geometry.kv_heads} heads, head {geometry.head_size}, "
           f"block {geometry.block_size}, median of {args.repeat}, "
           f"{'one contender after the other' if args.sequential else 'calls alternating'}")

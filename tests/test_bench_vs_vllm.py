@@ -1,4 +1,4 @@
-"""benchmarks/bench_vs_vllm.py (issue 5): table structure, ratios and PASS/FAIL verdicts.
+"""benchmarks/bench_vs_vllm.py: table structure, ratios and PASS/FAIL verdicts.
 
 Every run uses the ``--tiny`` shapes and fake machine limits, so the file takes seconds.
 The verdict test stubs the timing source (the outputs are still checked against the
@@ -154,7 +154,7 @@ def test_ratios_and_verdicts_follow_the_timings(tmp_path, capsys, monkeypatch):
         "prefill 1x64 bf16: 2t vs 1t": ("1.70x", "FAIL"),
     }
     assert {case: (cells[5], cells[-1]) for case, cells in rows.items()} == expected
-    assert "issue 5 targets: 7 PASS, 5 FAIL, 0 n/a (of 12 rows with a target)" in out
+    assert "targets: 7 PASS, 5 FAIL, 0 n/a (of 12 rows with a target)" in out
 
     doc = json.loads(path.read_text())
     row = next(r for r in doc["rows"] if r["case"] == "B2 ctx2048")
