@@ -19,6 +19,13 @@ from pagedattn.serve.app import build_app  # noqa: E402
 HOST = "127.0.0.1"  # every test server listens here and nowhere else
 
 
+BATCH_INVARIANT = dict(linear_impl="packed")
+"""Engine options under which a request's tokens do not depend on what it is batched
+with: tests that compare served answers with offline ones token for token use them. The
+default measured paths (linear_impl="auto") put a step's rows on bf16 GEMMs chosen by the
+row count, so a near-tie can break differently in another batch, as in vLLM."""
+
+
 @contextmanager
 def serve_in_thread(llm, **app_kwargs):
     """``(base_url, app)`` of a server on ``llm`` running in a thread until the block ends.

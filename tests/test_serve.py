@@ -11,7 +11,7 @@ import threading
 import httpx
 import pytest
 
-from serve_helpers import client, expected_text, serve_in_thread, wait_idle
+from serve_helpers import BATCH_INVARIANT, client, expected_text, serve_in_thread, wait_idle
 
 from pagedattn import LLM, SamplingParams
 
@@ -22,12 +22,12 @@ N = 8
 
 @pytest.fixture(scope="module")
 def ref():
-    return LLM(model="smollm2")
+    return LLM(model="smollm2", **BATCH_INVARIANT)
 
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_in_thread(LLM(model="smollm2")) as (url, app):
+    with serve_in_thread(LLM(model="smollm2", **BATCH_INVARIANT)) as (url, app):
         yield url, app
 
 

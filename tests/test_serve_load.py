@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from serve_helpers import async_client, expected_text, serve_in_thread, wait_idle
+from serve_helpers import BATCH_INVARIANT, async_client, expected_text, serve_in_thread, wait_idle
 
 from pagedattn import LLM, SamplingParams
 
@@ -38,12 +38,12 @@ INVALID = [  # (kwargs for create, exception class name, text the message must c
 
 @pytest.fixture(scope="module")
 def setup():
-    ref = LLM(model="smollm2")
+    ref = LLM(model="smollm2", **BATCH_INVARIANT)
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     refs = {("text", t): o.token_ids for t, o in zip(TEXTS, ref.generate(TEXTS, sp))}
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     refs.update({("chat", q): o.token_ids for q, o in zip(QUESTIONS, ref.chat(convs, sp))})
-    with serve_in_thread(LLM(model="smollm2")) as (url, app):
+    with serve_in_thread(LLM(model="smollm2", **BATCH_INVARIANT)) as (url, app):
         yield url, app, ref, refs
 
 
