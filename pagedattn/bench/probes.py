@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pagedattn.machine import DEFAULT_LLC_BYTES, cpu_model, llc_bytes  # noqa: F401 (re-exported)
+from pagedattn.machine import DEFAULT_LLC_BYTES, cache_dir, cpu_model, llc_bytes  # noqa: F401 (re-exported)
 
 PROBE_DTYPES = ("bfloat16", "float32")
 
@@ -65,8 +65,7 @@ def machine_key() -> str:
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedattn" / f"machine-{machine_key()}.json"
+    return cache_dir() / f"machine-{machine_key()}.json"
 
 
 def _median_time(fn, repeat: int, budget_s: float = float("inf")) -> float:

@@ -75,15 +75,24 @@ class PackedLinear(nn.Module):
                 f"weight_dtype={self.packed_weight.dtype}, bias={self.bias is not None}")
 
 
-def pack_linear_layers(model: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`PackedLinear` with
-    ``weight_dtype`` weights. Call after loading the weights and casting the model to fp32
-    (a tied ``lm_head`` gets its own packed copy; the embedding keeps its table)."""
+def replace_linear_layers(model: nn.Module, make) -> list[nn.Module]:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by ``make(linear)``; returns the
+    new modules in model order (a tied ``lm_head`` gets its own copy; the embedding keeps
+    its table)."""
+    made = []
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child, weight_dtype))
+            made.append(make(child))
+            setattr(model, name, made[-1])
         else:
-            pack_linear_layers(child, weight_dtype)
+            made += replace_linear_layers(child, make)
+    return made
+
+
+def pack_linear_layers(model: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`PackedLinear` with
+    ``weight_dtype`` weights. Call after loading the weights and casting the model to fp32."""
+    replace_linear_layers(model, lambda linear: PackedLinear(linear, weight_dtype))
     return model
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import hashlib
 import json
 import math
 import os
@@ -43,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn import ops
-from pagedattn.machine import cpu_model
+from pagedattn.machine import cache_dir, cpu_flags, cpu_model
+from pagedattn.models.layers import replace_linear_layers
 
 FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
 CACHE_FORMAT = 1
@@ -247,20 +247,6 @@ class MeasuredLinear(nn.Module):
 # ------------------------------------------------------------------ the cache
 
 
-def cpu_flags() -> str:
-    """A digest of this CPU's feature flags (``/proc/cpuinfo``; empty where unreadable)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("flags", "features")):
-                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                    break
-    except OSError:
-        pass
-    return "sha256:" + hashlib.sha256(flags.encode()).hexdigest()[:16]
-
-
 def machine_key() -> dict:
     """What the measured choices depend on; a cache with another key is re-measured."""
     return {"format": CACHE_FORMAT, "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
@@ -269,8 +255,7 @@ def machine_key() -> dict:
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedattn" / "linear-paths.json"
+    return cache_dir() / "linear-paths.json"
 
 
 def load_cache(key: dict, path: Path | None = None) -> dict:
@@ -478,17 +463,6 @@ def install_linear_paths(model: nn.Module, weight_dtype: torch.dtype,
     ``weight_dtype`` weights, then plan their paths (:func:`plan_layers`). Call after
     loading the weights and casting the model to fp32."""
     paths = candidate_paths(weight_dtype)
-    layers: list[MeasuredLinear] = []
-
-    def replace(module: nn.Module) -> None:
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                layer = MeasuredLinear(child, weight_dtype, paths)
-                setattr(module, name, layer)
-                layers.append(layer)
-            else:
-                replace(child)
-
-    replace(model)
+    layers = replace_linear_layers(model, lambda linear: MeasuredLinear(linear, weight_dtype, paths))
     with torch.inference_mode():
         return plan_layers(layers, force, budget_s, cache, busy)
