@@ -88,19 +88,20 @@ $(VLLM_STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 
 # The plugin's tests: registration, builder + impl against the reference and vLLM's own
 # impl (unit), then vLLM's whole engine with and without the plugin (SmolLM2 + random
-# Mistral/Qwen2 parity: four engine starts per setting, minutes on 2 cores).
+# Mistral/Qwen2 parity: four engine starts per setting, minutes on 2 cores) and under
+# tensor parallelism (TP=2 against TP=1, ~1 min).
 vllm-test:
 	@if $(MAKE) vllm-setup; then $(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm_plugin; \
 	else echo "vLLM could not be installed into $(VLLM_VENV): the vLLM plugin tests are skipped"; fi
 
 # The unit tests only (no whole-engine runs): part of the fast tier.
 vllm-test-unit: vllm-setup
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin \
-		--ignore=tests/vllm_plugin/test_vllm_plugin_engine.py
+	$(VLLM_VENV)/bin/python -m pytest -q -m "not slow" tests/vllm_plugin
 
-# Only the whole-engine parity run.
+# Only the whole-engine runs (marked slow): parity with and without the plugin, and
+# tensor parallelism (TP=2 against TP=1).
 vllm-test-engine: vllm-setup
-	$(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm_plugin/test_vllm_plugin_engine.py
+	$(VLLM_VENV)/bin/python -m pytest -q -s -m slow tests/vllm_plugin
 
 # ASan + UBSan build of the extension in its own dir (build/sanitize; -fno-wrapv so signed
 # overflow is seen), then the op tests (attention, linear and layer ops) and a fuzz slice

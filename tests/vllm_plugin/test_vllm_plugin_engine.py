@@ -26,11 +26,14 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment; the vLLM "
                     "plugin tests run in .venv-vllm (make vllm-test)")
 
+from greedy_checks import assert_same_greedy  # noqa: E402
+
 from pagedattn.integrations.vllm import workloads  # noqa: E402
+
+pytestmark = pytest.mark.slow  # whole-engine runs: make vllm-test-engine / test-all
 
 NUM_CHAT_PROMPTS, CHAT_TOKENS = 16, 64
 NUM_RANDOM_PROMPTS, RANDOM_TOKENS = 8, 64
-TIE_LOGPROB_GAP = 1e-4
 JOB_TIMEOUT_S = 1800  # per setting; ~7 min each on the shared 2-core machine
 
 
@@ -78,25 +81,6 @@ def runs(tmp_path_factory):
     return out
 
 
-def _assert_same_greedy(off: list[dict], on: list[dict], what: str) -> list[str]:
-    """Identical generated ids per prompt, except after a top-2 tie; returns the notes."""
-    notes = []
-    assert len(off) == len(on)
-    for i, (a, b) in enumerate(zip(off, on)):
-        assert a["prompt_ids"] == b["prompt_ids"], f"{what} prompt {i}: different prompts"
-        if a["ids"] == b["ids"]:
-            continue
-        k = next(k for k, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y)
-        top = sorted(a["top"][k].values(), reverse=True)
-        gap = top[0] - top[1] if len(top) > 1 else float("inf")
-        assert gap < TIE_LOGPROB_GAP, (
-            f"{what} prompt {i}: greedy tokens differ at step {k} ({a['ids'][k]} without the "
-            f"plugin, {b['ids'][k]} with it) where the top-2 log-prob gap is {gap:.3g}, not "
-            f"a tie; without: {a['ids']}, with: {b['ids']}")
-        notes.append(f"{what} prompt {i}: paths split at step {k} on a top-2 tie ({gap:.2g})")
-    return notes
-
-
 def test_plugin_ran_pagedattn_kernels(runs):
     for job_off, job_on in zip(runs["off"], runs["on"]):
         assert job_off["pagedattn_attention_calls"] == 0
@@ -107,7 +91,7 @@ def test_smollm2_fp32_greedy_tokens_equal(runs):
     off, on = runs["off"][0]["greedy"], runs["on"][0]["greedy"]
     assert len(off) == NUM_CHAT_PROMPTS
     assert all(len(r["ids"]) == CHAT_TOKENS for r in off + on)
-    notes = _assert_same_greedy(off, on, "SmolLM2 fp32")
+    notes = assert_same_greedy(off, on, "SmolLM2 fp32")
     assert len(notes) <= 1, notes  # a tie is rare; more than one means something is off
     if notes:
         print("\n".join(notes))
@@ -117,7 +101,7 @@ def test_smollm2_fp32_greedy_tokens_equal(runs):
 def test_random_weight_fp32_greedy_tokens_equal(runs, index, arch):
     off, on = runs["off"][index]["greedy"], runs["on"][index]["greedy"]
     assert len(off) == NUM_RANDOM_PROMPTS
-    notes = _assert_same_greedy(off, on, f"{arch} fp32")
+    notes = assert_same_greedy(off, on, f"{arch} fp32")
     assert len(notes) <= 1, notes
     # The tokens are not degenerate (a constant stream would hide attention bugs).
     assert len({t for r in off for t in r["ids"]}) > 20

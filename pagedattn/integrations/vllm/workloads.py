@@ -27,6 +27,22 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # and gives the model one thread; these give the model both.
 TWO_CORE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
+
+def cpu_binding_env(tensor_parallel_size: int) -> dict[str, str]:
+    """vLLM's CPU thread binding for ``tensor_parallel_size`` workers on this machine's
+    cores: one contiguous share per worker (``"0-1"`` for one, ``"0|1"`` for two on 2
+    cores), as vLLM's CPU worker binds rank ``r`` to the ``r``-th ``|``-separated list."""
+    cores = sorted(os.sched_getaffinity(0))
+    if tensor_parallel_size < 1 or tensor_parallel_size > len(cores):
+        raise ValueError(f"tensor_parallel_size must be in [1, {len(cores)}] (this process's "
+                         f"cores), got {tensor_parallel_size}")
+    share = len(cores) // tensor_parallel_size
+    lists = []
+    for rank in range(tensor_parallel_size):
+        mine = cores[rank * share:(rank + 1) * share]
+        lists.append(",".join(str(c) for c in mine))
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(lists), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
 # Short user questions of mixed lengths; chat-templated by the model's own template.
 CHAT_QUESTIONS = [
     "What is the capital of France?",
@@ -132,15 +148,20 @@ def long_document_prompt(num_tokens_hint: int, index: int) -> str:
 # ------------------------------------------------------------------ random checkpoints
 
 RANDOM_ARCHS = ("mistral", "qwen2")
+# For tensor parallelism: 8 query / 4 KV heads split evenly over 2 ranks.
+TENSOR_PARALLEL_ARCH = "llama"
 
 
 def save_random_checkpoint(arch: str, directory: str | os.PathLike, seed: int = 0) -> Path:
     """A small random-weight checkpoint (config.json + safetensors) of ``arch``:
     ``mistral`` with a sliding window of 32 keys (shorter than the test prompts) or
-    ``qwen2`` (QKV bias). GQA 8 query / 2 KV heads of 64. Weights are drawn with a large
+    ``qwen2`` (QKV bias), GQA 8 query / 2 KV heads of 64; or ``llama``, 8 query / 4 KV
+    heads of 64, so that two tensor-parallel ranks get 4 / 2 each. Weights are drawn with a large
     std so the logits are far apart (greedy ties would make token equality a coin toss)."""
     import torch
     from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
         Qwen2Config,
@@ -155,8 +176,12 @@ def save_random_checkpoint(arch: str, directory: str | os.PathLike, seed: int = 
         config, model_cls = MistralConfig(sliding_window=32, **geometry), MistralForCausalLM
     elif arch == "qwen2":
         config, model_cls = Qwen2Config(use_sliding_window=False, **geometry), Qwen2ForCausalLM
+    elif arch == "llama":
+        geometry["num_key_value_heads"] = 4
+        config, model_cls = LlamaConfig(**geometry), LlamaForCausalLM
     else:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {RANDOM_ARCHS}")
+        raise ValueError(f"unknown arch {arch!r}; expected one of "
+                         f"{(*RANDOM_ARCHS, TENSOR_PARALLEL_ARCH)}")
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     path = Path(directory) / arch
@@ -192,16 +217,25 @@ class EngineSpec:
     prefix_caching: bool = True
     log_stats: bool = False
     seed: int = 0
+    tensor_parallel_size: int = 1
 
     def build(self):
         from vllm import LLM
+
+        # vLLM reads the binding when it starts the workers; one engine per TP size may
+        # run in a process, so it is set per engine.
+        os.environ.update(cpu_binding_env(self.tensor_parallel_size))
 
         kwargs = dict(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                       enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                       skip_tokenizer_init=self.skip_tokenizer_init, seed=self.seed,
                       kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)),
                       enable_prefix_caching=self.prefix_caching,
-                      disable_log_stats=not self.log_stats)
+                      disable_log_stats=not self.log_stats,
+                      tensor_parallel_size=self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            # One worker process per rank (gloo plus vLLM's shared-memory all-reduce).
+            kwargs["distributed_executor_backend"] = "mp"
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         return LLM(**kwargs)
@@ -307,8 +341,11 @@ def run_in_subprocess(args: list[str], plugin: bool, timeout: float, module: boo
     Raises with the tail of stderr on failure."""
     env = dict(os.environ)
     env.update(TWO_CORE_ENV)
+    # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc sends the call counter (a function
+    # of this module) to the workers by pickle; the workers are this test's own processes.
     env.update({"PAGEDATTN_VLLM": "1" if plugin else "0",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     env.update(extra_env or {})
     command = [sys.executable, *(["-m"] if module else []), *args]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
@@ -331,19 +368,38 @@ def last_json_line(stdout: str):
 # ------------------------------------------------------------------ subprocess jobs
 
 
-def _count_kernel_calls() -> dict[str, int]:
-    """Count pagedattn attention calls in this process (proof of which kernels ran)."""
+_ATTENTION_CALLS = [0]
+
+
+def _install_call_counter(worker) -> int:
+    """Run in each vLLM worker (``collective_rpc``): count pagedattn attention calls there,
+    the proof of which kernels ran. Returns the worker's rank."""
     from pagedattn.backends import cpu_runtime
 
-    counts = {"pagedattn_attention_calls": 0}
-    original = cpu_runtime.attend
+    original = getattr(cpu_runtime.attend, "__wrapped_by_counter__", cpu_runtime.attend)
 
     def counted(*args, **kwargs):
-        counts["pagedattn_attention_calls"] += 1
+        _ATTENTION_CALLS[0] += 1
         return original(*args, **kwargs)
 
+    counted.__wrapped_by_counter__ = original
     cpu_runtime.attend = counted
-    return counts
+    _ATTENTION_CALLS[0] = 0
+    return int(getattr(worker, "rank", 0))
+
+
+def _read_call_counter(worker) -> int:
+    return _ATTENTION_CALLS[0]
+
+
+def count_attention_calls(llm) -> None:
+    """Start counting pagedattn attention calls in every worker of ``llm``."""
+    llm.collective_rpc(_install_call_counter)
+
+
+def attention_calls(llm) -> list[int]:
+    """Per worker (rank order), the pagedattn attention calls since counting started."""
+    return [int(n) for n in llm.collective_rpc(_read_call_counter)]
 
 
 def run_jobs(jobs: list[dict]) -> list[dict]:
@@ -355,13 +411,12 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
     job ``j`` (this job or an earlier one: prompt + generated ids), ``teacher_forced`` the
     given sequences, with :func:`teacher_forced_logprobs`.
     """
-    counts = _count_kernel_calls()
     results: list[dict] = []
     for index, job in enumerate(jobs):
         t0 = time.perf_counter()
         llm = EngineSpec(**job["engine"]).build()
         start_s = time.perf_counter() - t0
-        counts["pagedattn_attention_calls"] = 0
+        count_attention_calls(llm)
         result: dict = {"engine_start_s": start_s}
         if "greedy" in job:
             g = job["greedy"]
@@ -379,7 +434,9 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
             result["teacher_forced"] = teacher_forced_logprobs(llm, tf["sequences"],
                                                                tf["prompt_lens"])
         result["run_s"] = time.perf_counter() - t0 - start_s
-        result.update(counts)
+        per_worker = attention_calls(llm)
+        result["pagedattn_attention_calls_per_worker"] = per_worker
+        result["pagedattn_attention_calls"] = sum(per_worker)
         results.append(result)
         del llm
         release_engine()
