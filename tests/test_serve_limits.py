@@ -121,6 +121,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0():
         _wait_up(url, proc)
         oai = client(url)
         results = {}
+        streaming = {"short": threading.Event(), "long": threading.Event()}
 
         def run(name, max_tokens):
             text, finish = "", None
@@ -128,6 +129,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0():
                 for c in oai.completions.create(model="smollm2", prompt="Count to ten:",
                                                 max_tokens=max_tokens, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True}):
+                    streaming[name].set()
                     text += c.choices[0].text
                     finish = c.choices[0].finish_reason or finish
             except Exception as exc:  # noqa: BLE001 - the long one is cut off
@@ -138,7 +140,8 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0():
                    threading.Thread(target=run, args=("long", 5000))]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # both are running
+        # Both are running (a fixed sleep was too short on a loaded machine).
+        assert all(e.wait(60) for e in streaming.values())
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)

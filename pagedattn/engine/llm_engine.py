@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pagedattn.engine.args import EngineArgs
 from pagedattn.engine.block_pool import KVCacheManager
+from pagedattn.engine.detokenizer import IncrementalDetokenizer
 from pagedattn.engine.loading import LoadedModel
 from pagedattn.engine.model_runner import ModelRunner
 from pagedattn.engine.request import FinishReason, Request
@@ -136,5 +137,10 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def _hit_stop(self, req: Request) -> bool:
-        text = self.decode(req.output_token_ids)
-        return any(s in text for s in req.sampling_params.stop)
+        if self.tokenizer is None:
+            return False
+        if req.stop_text is None:
+            req.stop_text = IncrementalDetokenizer(self.tokenizer, True, req.sampling_params.stop)
+        det = req.stop_text
+        det.feed(req.output_token_ids[len(det.tokens):])
+        return det.first_stop() is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedattn.engine.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    stop_text: Any = None
+    """With stop strings: the ``detokenizer.IncrementalDetokenizer`` that finds them."""
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from pagedattn.engine.detokenizer import StreamingText
 from pagedattn.engine.llm_engine import LLMEngine
 from pagedattn.engine.request import FinishReason, Request
 from pagedattn.engine.sampling_params import SamplingParams
@@ -78,8 +79,8 @@ class _Tracked:
     aloop: asyncio.AbstractEventLoop
     num_prompt_tokens: int
     arrival: float
+    text: StreamingText | None = None
     sent_tokens: int = 0
-    sent_chars: int = 0
     first_token: float | None = None
     last_token: float | None = None
 
@@ -223,7 +224,8 @@ class EngineLoop:
 
     def _process(self, req: Request, tracked: _Tracked, now: float) -> Delta:
         """The delta of ``req`` since the last one: its new tokens, and the new text
-        that is final (see :meth:`_text`)."""
+        that is final (``detokenizer.StreamingText``: decoded incrementally, held back
+        while it may begin a stop string, cut before one)."""
         new_tokens = req.output_token_ids[tracked.sent_tokens:]
         logprobs = req.output_logprobs[tracked.sent_tokens:tracked.sent_tokens + len(new_tokens)]
         tracked.sent_tokens += len(new_tokens)
@@ -235,31 +237,15 @@ class EngineLoop:
         if tracked.first_token is None:
             tracked.first_token = now
         tracked.last_token = now
-        text = self._text(req)
-        delta_text = text[tracked.sent_chars:]
-        tracked.sent_chars = max(tracked.sent_chars, len(text))
+        if tracked.text is None and self.tokenizer is not None:
+            sp = req.sampling_params
+            tracked.text = StreamingText(self.tokenizer, sp.skip_special_tokens, sp.stop)
+        delta_text = tracked.text.add(new_tokens, req.is_finished) if tracked.text else ""
         finish = str(req.finish_reason) if req.is_finished else None
         if finish is not None and self.metrics is not None:
             self.metrics.finished(finish, now - tracked.arrival)
         return Delta(delta_text, list(new_tokens), list(logprobs), finish,
                      tracked.num_prompt_tokens, len(req.output_token_ids))
-
-    def _text(self, req: Request) -> str:
-        """The text of ``req``'s output that can no longer change: at the end, cut before
-        the first stop string; before it, without the last ``len(longest stop) - 1``
-        characters (they may start a stop string) nor a trailing partial character."""
-        sp = req.sampling_params
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
-        if req.is_finished:
-            cuts = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
-            return text[:min(cuts)] if cuts else text
-        hold = max((len(s) for s in sp.stop), default=1) - 1
-        end = len(text) - hold
-        if text.endswith("\ufffd"):
-            end = min(end, len(text) - 1)
-        return text[:max(end, 0)]
 
     def _log_finished(self, req: Request, tracked: _Tracked, now: float) -> None:
         ttft = (tracked.first_token - tracked.arrival) if tracked.first_token else 0.0
