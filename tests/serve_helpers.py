@@ -19,11 +19,13 @@ from pagedattn.serve.app import build_app  # noqa: E402
 HOST = "127.0.0.1"  # every test server listens here and nowhere else
 
 
-BATCH_INVARIANT = dict(linear_impl="packed")
+BATCH_INVARIANT = dict(linear_impl="packed", prefill_attention="kernel")
 """Engine options under which a request's tokens do not depend on what it is batched
 with: tests that compare served answers with offline ones token for token use them. The
 default measured paths (linear_impl="auto") put a step's rows on bf16 GEMMs chosen by the
-row count, so a near-tie can break differently in another batch, as in vLLM."""
+row count, and long prefills on flash attention in one or two parts depending on how the
+step chunked them or the prefix cache covered them, so a near-tie can break differently
+in another batch, as in vLLM."""
 
 
 @contextmanager

@@ -77,11 +77,12 @@ def context_only_kv_cache(batch):
     return kv_cache
 
 
-def build_metadata(batch, dtype, block_size, sliding_window=None, use_sdpa_prefill=False):
+def build_metadata(batch, dtype, block_size, sliding_window=None, use_sdpa_prefill=False,
+                   sdpa_prefill_min_query_len=None):
     spec = AttentionSpec(block_size, HKV, D, dtype, sliding_window=sliding_window)
     builder = CPUAttentionMetadataBuilder(
         spec, ["layer0"], engine_config(dtype, block_size), torch.device("cpu"),
-        use_sdpa_prefill=use_sdpa_prefill,
+        use_sdpa_prefill=use_sdpa_prefill, sdpa_prefill_min_query_len=sdpa_prefill_min_query_len,
     )
     common = CommonAttentionMetadata.from_lens(
         batch.spec.query_lens, batch.spec.seq_lens, batch.block_table, batch.slot_mapping,
@@ -111,29 +112,57 @@ def test_decoder_forward_writes_cache_and_matches_reference(batch_name, feature,
     assert torch.equal(kv_cache[1].nan_to_num(7.0), batch.value_cache.nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("feature", ["plain", "window", "alibi", "softcap", "sinks"])
-def test_sdpa_prefill_path_matches_reference(feature):
-    dtype, block_size = torch.float32, 32
-    spec = BatchSpec("decodes_then_fresh_prefills", (70, 9, 40, 23), (1, 1, 40, 23))
-    batch = make_paged_batch(spec, num_heads=H, num_kv_heads=HKV, head_size=D,
+# Decodes, then prefills: fresh, with cached context (chunked prefill / prefix hit), and
+# one too short for the flash path (min 16) that the kernel runs between two long ones.
+FLASH_SPLIT = BatchSpec("flash_split", (70, 9, 40, 150, 7, 60), (1, 1, 40, 53, 7, 60))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_flash_prefill_path_matches_reference(feature, dtype):
+    block_size = 16
+    batch = make_paged_batch(FLASH_SPLIT, num_heads=H, num_kv_heads=HKV, head_size=D,
                              block_size=block_size, dtype=dtype, seed=2)
     impl = make_impl(**FEATURES[feature])
     _, metadata = build_metadata(batch, dtype, block_size, FEATURES[feature].get("sliding_window"),
-                                 use_sdpa_prefill=True)
-    assert metadata.use_sdpa_prefill and metadata.num_decode_tokens == 2
-    assert metadata.seq_lens.tolist() == [70, 9] and metadata.sdpa_start_loc.tolist() == [0, 40, 63]
+                                 sdpa_prefill_min_query_len=16)
+    if feature == "window":  # windowed groups stay on the kernel
+        assert metadata.sdpa is None
+    else:
+        split = metadata.sdpa
+        assert [(q.row_lo, q.row_hi, q.context) for q in split.seqs] == [
+            (2, 42, 0), (42, 95, 97), (102, 162, 0)]
+        # The kernel's requests (2 decodes + the 7-token prefill) are not the leading rows.
+        assert split.kernel_rows.tolist() == [0, 1, *range(95, 102)]
+        assert split.seq_lens.tolist() == [70, 9, 7] and split.query_start_loc.tolist() == [0, 1, 2, 9]
+    # Layers with softcap, ALiBi or sinks run the whole step on the kernel.
+    assert impl.flash_prefill == (feature == "plain")
+    output = torch.full_like(batch.query, math.nan)
+    impl.forward(None, batch.query, batch.new_keys, batch.new_values,
+                 context_only_kv_cache(batch), metadata, output=output)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(output.float(), reference_for(impl, batch), **tol)
+
+
+def test_flash_prefill_with_leading_kernel_rows_uses_views():
+    batch = make_paged_batch(BATCH_SPECS["mixed"], num_heads=H, num_kv_heads=HKV, head_size=D,
+                             block_size=16, dtype=torch.float32)
+    _, metadata = build_metadata(batch, torch.float32, 16, use_sdpa_prefill=True)
+    split = metadata.sdpa
+    assert split is not None and split.kernel_rows is None  # decodes first: no gather
+    impl = make_impl()
     output = torch.full_like(batch.query, math.nan)
     impl.forward(None, batch.query, batch.new_keys, batch.new_values,
                  context_only_kv_cache(batch), metadata, output=output)
     torch.testing.assert_close(output, reference_for(impl, batch), **FP32_TOL)
 
 
-def test_sdpa_prefill_is_declined_when_prefills_have_context():
+@pytest.mark.parametrize("bad", [1, 0, True, 2.5, "16"])
+def test_flash_prefill_min_query_len_is_checked(bad):
     batch = make_paged_batch(BATCH_SPECS["mixed"], num_heads=H, num_kv_heads=HKV, head_size=D,
                              block_size=16, dtype=torch.float32)
-    _, metadata = build_metadata(batch, torch.float32, 16, use_sdpa_prefill=True)
-    assert not metadata.use_sdpa_prefill  # request 2 has 126 tokens of context
-    assert metadata.seq_lens.tolist() == list(BATCH_SPECS["mixed"].seq_lens)
+    with pytest.raises(ValueError, match="sdpa_prefill_min_query_len"):
+        build_metadata(batch, torch.float32, 16, sdpa_prefill_min_query_len=bad)
 
 
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER])
@@ -267,18 +296,27 @@ def test_builder_picks_hint_and_decode_first_threshold(block_size, hint):
 
 
 def test_metadata_is_frozen_and_sdpa_biases_live_with_the_step():
-    batch = make_paged_batch(BatchSpec("fresh", (40, 23), (40, 23)), num_heads=H,
-                             num_kv_heads=HKV, head_size=D, block_size=16, dtype=torch.float32)
-    _, metadata = build_metadata(batch, torch.float32, 16, use_sdpa_prefill=True)
+    spec = BatchSpec("encoder", (40, 23), (40, 23))
+    batch = make_paged_batch(spec, num_heads=H, num_kv_heads=HKV, head_size=D, block_size=16,
+                             dtype=torch.float32)
+    builder = CPUAttentionMetadataBuilder(AttentionSpec(16, HKV, D, torch.float32), ["enc"],
+                                          engine_config(torch.float32, 16), torch.device("cpu"))
+
+    def plan():
+        return builder.build(0, CommonAttentionMetadata.from_lens(
+            spec.query_lens, spec.seq_lens, causal=False, block_size=16))
+
+    metadata = plan()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        metadata.use_sdpa_prefill = False
-    layers = [make_impl(alibi=True), make_impl(alibi=True)]  # same config: one bias per length
-    for impl in layers:
+        metadata.sdpa = None
+    cache = torch.full((2, 1, HKV, 16, D), math.nan)
+    layers = [make_impl(AttentionType.ENCODER_ONLY, alibi=True) for _ in range(2)]
+    for impl in layers:  # same config: one bias per length
         output = torch.empty_like(batch.query)
-        impl.forward(None, batch.query, batch.new_keys, batch.new_values,
-                     context_only_kv_cache(batch), metadata, output=output)
-        torch.testing.assert_close(output, reference_for(impl, batch), **FP32_TOL)
+        impl.forward(None, batch.query, batch.new_keys, batch.new_values, cache, metadata,
+                     output=output)
+        torch.testing.assert_close(output, reference_for(impl, batch, causal=False), **FP32_TOL)
     # One bias per sequence length, kept by the step's plan (and dropped with it); the
     # next step's plan starts with none.
     assert sorted(key[1] for key in metadata.sdpa_biases) == [23, 40]
-    assert build_metadata(batch, torch.float32, 16, use_sdpa_prefill=True)[1].sdpa_biases == {}
+    assert plan().sdpa_biases == {}

@@ -10,9 +10,9 @@ Paths in ``forward``:
 * ENCODER / ENCODER_ONLY: no cache; per-sequence SDPA over the step's own K/V.
 * DECODER / ENCODER_DECODER: write K/V into the paged cache (unless the layer shares
   another layer's cache, or key/value are ``None`` as in cross attention after the
-  encoder step), then the native kernel; with ``use_sdpa_prefill`` the prefill
-  requests (which then have no prior context) go through SDPA and only the decodes
-  through the kernel.
+  encoder step), then the native kernel. With ``sdpa_prefill_min_query_len`` set (the
+  engine measures it: ``cpu_sdpa_prefill``), prefills at least that long go through
+  torch's flash attention for CPU instead, the rest of the step through the kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from pagedattn import paging
 from pagedattn.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -35,7 +34,8 @@ from pagedattn.backend import (
     MultipleOf,
     is_quantized_kv_cache,
 )
-from pagedattn.backends import cpu_runtime
+from pagedattn.backends import cpu_runtime, cpu_sdpa_prefill
+from pagedattn.backends.cpu_sdpa_prefill import SdpaSeq, SdpaSplit
 from pagedattn.config import BuilderConfig, CacheDType
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
 from pagedattn.ops import kernel_shapes
@@ -111,9 +111,9 @@ class CPUAttentionBackend(AttentionBackend):
 class CPUAttentionMetadata:
     """One step's plan for CPU_ATTN, shared (read-only) by every layer of the step.
 
-    Tensors are on the CPU. When ``use_sdpa_prefill`` is set, the kernel fields
-    (``query_start_loc``, ``seq_lens``, ``block_table``, ``scheduler_metadata``) cover
-    only the first ``num_decodes`` requests, and ``sdpa_start_loc`` the prefills.
+    Tensors are on the CPU. The kernel fields cover the whole step; ``sdpa`` (when set)
+    sends the long prefills to torch's flash attention and holds the kernel's plan for
+    the other requests.
     """
 
     isa: IsaHint
@@ -122,25 +122,23 @@ class CPUAttentionMetadata:
     num_actual_tokens: int
     """Real query tokens of the step (rows past it are padding)."""
     query_start_loc: torch.Tensor
-    """int32 ``[num_kernel_reqs + 1]``: query rows of each request run by the kernel."""
+    """int32 ``[num_reqs + 1]``: query rows of each request."""
     seq_lens: torch.Tensor
-    """int32 ``[num_kernel_reqs]``: keys visible to each request (context + new)."""
+    """int32 ``[num_reqs]``: keys visible to each request (context + new)."""
     block_table: torch.Tensor
-    """int32 ``[num_kernel_reqs, max_blocks]``."""
+    """int32 ``[num_reqs, max_blocks]``."""
     slot_mapping: torch.Tensor
     """int64 ``[num_tokens]``: cache slot of each new token, ``-1`` = padding."""
     scheduler_metadata: torch.Tensor | None
     """Opaque work partition from ``cpu_attn_get_scheduler_metadata``."""
     causal: bool = True
-    use_sdpa_prefill: bool = False
-    num_decode_tokens: int = 0
-    """Query rows of the decode requests (the first rows when ``use_sdpa_prefill``)."""
-    sdpa_start_loc: torch.Tensor | None = None
-    """int32 CPU ``[num_sdpa_seqs + 1]``: per-sequence rows for the SDPA path, relative
-    to the first row that path receives."""
+    sdpa: SdpaSplit | None = None
+    """Long prefills for torch's flash attention, and the kernel's plan for the rest
+    (used by layers without softcap, ALiBi, sinks or a window; the others run the whole
+    step on the kernel)."""
     sdpa_biases: dict = field(default_factory=dict, repr=False)
-    """Dense SDPA biases of the step, built on first use and shared by the layers that
-    need the same one (a cache of derived values; the plan itself never changes)."""
+    """Dense SDPA biases of encoder steps, built on first use and shared by the layers
+    that need the same one (a cache of derived values; the plan itself never changes)."""
 
     def __post_init__(self) -> None:
         if self.query_start_loc.numel() != self.seq_lens.numel() + 1:
@@ -158,10 +156,10 @@ class CPUAttentionMetadata:
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):
     """Builds :class:`CPUAttentionMetadata`.
 
-    ``use_sdpa_prefill`` (default off: the native kernel handles prefills) routes
-    prefill requests through torch SDPA. It is honoured only for batches whose
-    prefills start from an empty cache (SDPA sees only the step's own K/V) and that the
-    runner ordered decodes-first; otherwise the whole batch goes to the kernel.
+    ``sdpa_prefill_min_query_len`` (default ``None``: the kernel runs every request)
+    sends prefills of at least that many queries, with or without cached context, to
+    torch's flash attention for CPU (``cpu_sdpa_prefill``); ``use_sdpa_prefill=True``
+    means every prefill. Groups with a sliding window and fp8 caches stay on the kernel.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
@@ -173,9 +171,17 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         vllm_config: BuilderConfig,
         device: torch.device,
         use_sdpa_prefill: bool = False,
+        sdpa_prefill_min_query_len: int | None = None,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.use_sdpa_prefill = use_sdpa_prefill
+        if sdpa_prefill_min_query_len is not None:
+            if isinstance(sdpa_prefill_min_query_len, bool) or not isinstance(
+                    sdpa_prefill_min_query_len, int) or sdpa_prefill_min_query_len < 2:
+                raise ValueError("sdpa_prefill_min_query_len must be an int >= 2 or None, "
+                                 f"got {sdpa_prefill_min_query_len!r}")
+        elif use_sdpa_prefill:
+            sdpa_prefill_min_query_len = 2
+        self.sdpa_prefill_min_query_len = sdpa_prefill_min_query_len
         # Decodes first: the runner moves requests with query_len <= 1 to the front.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         parallel_config = vllm_config.parallel_config
@@ -196,6 +202,8 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         self.isa = cpu_runtime.kernel_variant(self.block_size, self.dtype)
         self.plan_geometry = cpu_runtime.PlanGeometry(self.num_heads, self.num_kv_heads,
                                                       self.head_dim, self.dtype, self.window_size)
+        if self.window_size != -1 or kv_cache_spec.dtype.itemsize == 1:
+            self.sdpa_prefill_min_query_len = None  # the flash path has no window or fp8
 
     def build(
         self,
@@ -217,26 +225,15 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             query_start_loc, seq_lens, block_table = cpu_runtime.split_queries_longer_than_keys(
                 query_start_loc, seq_lens, block_table)
 
-        num_decode_tokens, sdpa_start_loc, use_sdpa = 0, None, False
-        if self.use_sdpa_prefill and causal and not self.is_cross_attention:
-            query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-            num_decodes = paging.num_leading_decodes(query_lens, self.reorder_batch_threshold)
-            prefills_fresh = all(
-                q == s for q, s in zip(query_lens[num_decodes:], seq_lens[num_decodes:].tolist())
-            )
-            # Only worth it (and only correct) for fresh prefills after the decodes.
-            if num_decodes < num_reqs and prefills_fresh:
-                use_sdpa = True
-                num_decode_tokens = int(query_start_loc[num_decodes])
-                sdpa_start_loc = query_start_loc[num_decodes:] - num_decode_tokens
-                query_start_loc = query_start_loc[: num_decodes + 1]
-                seq_lens = seq_lens[:num_decodes]
-                block_table = block_table[:num_decodes]
-        if sdpa_start_loc is None:
-            sdpa_start_loc = query_start_loc
-
         scheduler_metadata = cpu_runtime.plan_step(self.plan_geometry, self.isa, query_start_loc,
                                                    seq_lens, causal)
+        sdpa = None
+        if self.sdpa_prefill_min_query_len is not None and causal and not self.is_cross_attention:
+            sdpa = cpu_sdpa_prefill.split_step(
+                query_start_loc, seq_lens, block_table, self.sdpa_prefill_min_query_len,
+                self.block_size,
+                lambda qsl, lens: cpu_runtime.plan_step(self.plan_geometry, self.isa, qsl,
+                                                        lens, causal))
         return CPUAttentionMetadata(
             isa=self.isa,
             num_actual_tokens=cm.num_actual_tokens,
@@ -246,9 +243,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             slot_mapping=cm.slot_mapping,
             scheduler_metadata=scheduler_metadata,
             causal=causal,
-            use_sdpa_prefill=use_sdpa,
-            num_decode_tokens=num_decode_tokens,
-            sdpa_start_loc=sdpa_start_loc,
+            sdpa=sdpa,
         )
 
 
@@ -305,6 +300,11 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
                 f"sinks must have shape [num_heads={num_heads}], got {tuple(sinks.shape)}"
             )
         self.sinks = sinks
+        # Layers the flash prefill path computes exactly; the others run whole steps on
+        # the kernel.
+        self.flash_prefill = (self.attn_type == AttentionType.DECODER
+                              and self.logits_soft_cap == 0.0 and self.alibi_slopes is None
+                              and sinks is None and self.sliding_window == (-1, -1))
 
     def forward(
         self,
@@ -354,19 +354,25 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             self._write_cache(key, value, key_cache, value_cache, attn_metadata, k_scale, v_scale)
 
-        if attn_metadata.use_sdpa_prefill:
-            lo = attn_metadata.num_decode_tokens
-            if key is None or value is None:
-                raise ValueError("the SDPA prefill path needs this step's key and value")
-            self._sdpa_forward(
-                query[lo:num_tokens], key[lo:num_tokens], value[lo:num_tokens],
-                output[lo:num_tokens], attn_metadata, causal=True,
-            )
-            num_tokens = lo
-
-        if num_tokens > 0:
+        split = attn_metadata.sdpa if self.flash_prefill else None
+        if split is None:
             self._attend(query[:num_tokens], key_cache, value_cache, output[:num_tokens],
-                         attn_metadata, k_scale, v_scale)
+                         attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                         attn_metadata.block_table, attn_metadata.scheduler_metadata,
+                         attn_metadata.causal, k_scale, v_scale)
+            return output
+        for seq in split.seqs:
+            self._flash_prefill(seq, query, key, value, key_cache, value_cache, output,
+                                k_scale, v_scale)
+        if split.num_kernel_rows:
+            rows = split.kernel_rows
+            q = query[:split.num_kernel_rows] if rows is None else query.index_select(0, rows)
+            out = output[:split.num_kernel_rows] if rows is None else torch.empty_like(q)
+            self._attend(q, key_cache, value_cache, out, split.query_start_loc,
+                         split.seq_lens, split.block_table, split.scheduler_metadata,
+                         attn_metadata.causal, k_scale, v_scale)
+            if rows is not None:
+                output.index_copy_(0, rows, out)
         return output
 
     # The impl's own arguments were validated at construction and the metadata's by its
@@ -377,14 +383,30 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         cpu_runtime.write_cache(key, value, key_cache, value_cache, md.slot_mapping, md.isa,
                                 k_scale, v_scale)
 
-    def _attend(self, query, key_cache, value_cache, output, md: CPUAttentionMetadata,
-                k_scale: float, v_scale: float) -> None:
+    def _attend(self, query, key_cache, value_cache, output, query_start_loc, seq_lens,
+                block_table, scheduler_metadata, causal: bool, k_scale: float,
+                v_scale: float) -> None:
         cpu_runtime.attend(
-            query, key_cache, value_cache, output, query_start_loc=md.query_start_loc,
-            seq_lens=md.seq_lens, block_table=md.block_table,
-            scheduler_metadata=md.scheduler_metadata, scale=self.scale, causal=md.causal,
-            window=self.sliding_window, alibi_slopes=self.alibi_slopes,
-            softcap=self.logits_soft_cap, sinks=self.sinks, k_scale=k_scale, v_scale=v_scale)
+            query, key_cache, value_cache, output, query_start_loc=query_start_loc,
+            seq_lens=seq_lens, block_table=block_table, scheduler_metadata=scheduler_metadata,
+            scale=self.scale, causal=causal, window=self.sliding_window,
+            alibi_slopes=self.alibi_slopes, softcap=self.logits_soft_cap, sinks=self.sinks,
+            k_scale=k_scale, v_scale=v_scale)
+
+    def _flash_prefill(self, seq: SdpaSeq, query, key, value, key_cache, value_cache, output,
+                       k_scale: float, v_scale: float) -> None:
+        """One long prefill on torch's flash attention: over the step's own keys, and over
+        its cached context read back from the paged cache."""
+        lo, hi = seq.row_lo, seq.row_hi
+        q = query[lo:hi].transpose(0, 1)
+        if seq.context == 0 and key is not None and value is not None:
+            k, v = key[lo:hi].transpose(0, 1), value[lo:hi].transpose(0, 1)
+        else:
+            n = seq.context + hi - lo
+            k = cpu_sdpa_prefill.gather_cached(key_cache, seq.blocks, n, query.dtype, k_scale)
+            v = cpu_sdpa_prefill.gather_cached(value_cache, seq.blocks, n, query.dtype, v_scale)
+        out = cpu_sdpa_prefill.causal_attention(q, k, v, seq.context, self.scale)
+        output[lo:hi] = out.transpose(0, 1)
 
     def _kv_scales(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> tuple[float, float]:
         """The layer's per-tensor fp8 scales (1.0 for a model-dtype cache); checks that the
@@ -426,7 +448,7 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
 
     def _sdpa_forward(self, query, key, value, output, attn_metadata, *, causal: bool) -> None:
         """Per-sequence attention over the step's own K/V (no cache), into ``output``."""
-        starts = attn_metadata.sdpa_start_loc.tolist()
+        starts = attn_metadata.query_start_loc.tolist()
         for lo, hi in zip(starts[:-1], starts[1:]):
             if hi == lo:
                 continue

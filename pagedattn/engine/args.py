@@ -20,6 +20,7 @@ from pagedattn.ops import reference
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *reference.FP8_CACHE_DTYPES)
 LINEAR_IMPLS = ("auto", "packed", "torch")
+PREFILL_ATTENTION = ("auto", "kernel", "flash")
 _UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1}
 
 
@@ -86,6 +87,11 @@ class EngineArgs:
         linear_dtype: with ``linear_impl="torch"``, dtype of the weights and activations
             around attention; ``None`` = ``dtype``, except on CPUs without a native
             half-precision GEMM, where it is float32.
+        prefill_attention: CPU_ATTN's prefills. ``"auto"``: prefills of at least the
+            length from which torch's flash attention for CPU measures faster than the
+            paged kernel on this machine and model (timed at load,
+            :mod:`pagedattn.backends.cpu_sdpa_prefill`) run on it; ``"kernel"``: every
+            request on the paged kernel; ``"flash"``: every prefill on flash attention.
         backend: attention backend name (default: the registry's choice).
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV cache pool (int, or ``"512MiB"``).
@@ -103,6 +109,7 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     linear_impl: str | None = None
     linear_dtype: str | torch.dtype | None = None
+    prefill_attention: str = "auto"
     backend: str | None = None
     block_size: int = 16
     kv_cache_memory: int | str = "512MiB"
@@ -124,6 +131,9 @@ class EngineArgs:
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales=True needs an fp8 kv_cache_dtype "
                              f"({', '.join(reference.FP8_CACHE_DTYPES)}), got 'auto'")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}, "
+                             f"got {self.prefill_attention!r}")
         set_("linear_impl", _parse_linear_impl(self.linear_impl))
         set_("linear_dtype", self._resolve_linear_dtype())
         set_("kv_cache_memory", parse_bytes(self.kv_cache_memory))

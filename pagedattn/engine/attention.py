@@ -32,6 +32,8 @@ class AttentionStack:
     spec: AttentionSpec
     builder: object
     impls: list
+    prefill_plan: str = ""
+    """Which prefills run on torch's flash attention, and why (CPU_ATTN decoders)."""
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         s = self.spec
@@ -55,9 +57,33 @@ def build_attention(args: EngineArgs, geo: AttentionGeometry, max_model_len: int
                                  max_model_len=max_model_len),
         cache_config=CacheConfig(block_size=args.block_size, cache_dtype=args.kv_cache_dtype))
     names = [f"layers.{i}.attn" for i in range(geo.num_layers)]
-    builder = backend_cls.get_builder_cls()(spec, names, builder_config, torch.device("cpu"))
+    extra, prefill_plan = {}, ""
+    if backend_cls.get_name() == "CPU_ATTN" and geo.attn_type == AttentionType.DECODER:
+        min_len, prefill_plan = choose_flash_prefill(args, geo)
+        extra["sdpa_prefill_min_query_len"] = min_len
+    builder = backend_cls.get_builder_cls()(spec, names, builder_config, torch.device("cpu"),
+                                            **extra)
     impls = [backend_cls.get_impl_cls()(geo.num_heads, geo.head_dim, geo.head_dim ** -0.5,
                                         geo.num_kv_heads, None, geo.sliding_window,
                                         args.kv_cache_dtype, attn_type=geo.attn_type)
              for _ in range(geo.num_layers)]
-    return AttentionStack(backend_cls, spec, builder, impls)
+    return AttentionStack(backend_cls, spec, builder, impls, prefill_plan)
+
+
+def choose_flash_prefill(args: EngineArgs, geo: AttentionGeometry) -> tuple[int | None, str]:
+    """The shortest prefill CPU_ATTN sends to torch's flash attention (``None``: none),
+    per ``args.prefill_attention``, and a line saying so."""
+    from pagedattn import ops
+    from pagedattn.backends import cpu_sdpa_prefill
+
+    if args.prefill_attention == "kernel":
+        return None, "prefills on the kernel"
+    if args.prefill_attention == "flash":
+        return 2, "prefills on flash attention (forced)"
+    if not ops.native_available():
+        return None, "prefills on the kernel (no native extension to time)"
+    min_len, times = cpu_sdpa_prefill.measure_min_query_len(
+        geo.num_heads, geo.num_kv_heads, geo.head_dim, args.dtype, args.block_size)
+    timed = ", ".join(f"{n}: {k * 1e3:.2f}/{f * 1e3:.2f} ms" for n, (k, f) in times.items())
+    chosen = "kernel only" if min_len is None else f"flash from {min_len} queries"
+    return min_len, f"prefill attention {chosen}; kernel/flash measured {timed}"

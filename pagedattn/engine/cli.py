@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedattn.engine.args import DTYPES, KV_CACHE_DTYPES, LINEAR_IMPLS, EngineArgs
+from pagedattn.engine.args import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LINEAR_IMPLS,
+    PREFILL_ATTENTION,
+    EngineArgs,
+)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloat16") -> None:
@@ -22,6 +28,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
                    help="linear layers: auto (default with the extension: the path measured "
                         "fastest per layer shape and row count), the packed native kernel, "
                         "or torch nn.Linear")
+    g.add_argument("--prefill-attention", choices=PREFILL_ATTENTION, default="auto",
+                   help="CPU_ATTN prefills: auto (long prefills on torch's flash attention "
+                        "where it measures faster here), kernel, or flash")
     g.add_argument("--backend", default=None, help="attention backend (default: registry choice)")
     g.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     g.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory,
@@ -36,7 +45,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     """The :class:`EngineArgs` of parsed ``add_engine_arguments`` options."""
     fields = dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                   calculate_kv_scales=args.calculate_kv_scales, linear_impl=args.linear_impl,
-                  backend=args.backend, block_size=args.block_size,
+                  prefill_attention=args.prefill_attention, backend=args.backend, block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -51,8 +60,10 @@ def describe_engine(llm) -> str:
           f"{eng.num_blocks} blocks of {a.block_size})") if eng is not None else ""
     backend = llm.engine.attention.backend_cls.get_name() if eng is not None else \
         type(llm.embedder.builder).__name__
+    prefill = f" ({eng.attention.prefill_plan})" if eng is not None and \
+        eng.attention.prefill_plan else ""
     return (f"model {a.model}, dtype {str(a.dtype).removeprefix('torch.')}, linear "
-            f"{a.linear_impl}, attention {backend}{kv}")
+            f"{a.linear_impl}, attention {backend}{prefill}{kv}")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
