@@ -1,6 +1,7 @@
 """Greedy token parity with transformers for random-weight Llama, Mistral and Qwen2
 checkpoints (fp32), through the whole engine: plain, chunked prefill forced by a small
-token budget, preemption forced by a small pool, and prefix-cache hits."""
+token budget, preemption forced by a small pool, and prefix-cache hits; prefills on the
+paged kernel and on torch's flash attention."""
 
 from __future__ import annotations
 
@@ -72,6 +73,11 @@ MODES = {
     "chunked": dict(max_num_batched_tokens=16),
     "preempt": dict(kv_cache_memory=7 * 2 * (2 * 16 * 2 * 32 * 4), max_model_len=96),
     "no_prefix_cache": dict(enable_prefix_caching=False),
+    # Prefills on torch's flash attention: fresh, chunked (every chunk after the first
+    # reads its context back from the cache) and prefix-cache hits (the second run).
+    "flash": dict(prefill_attention="flash"),
+    "flash_chunked": dict(prefill_attention="flash", max_num_batched_tokens=16),
+    "kernel": dict(prefill_attention="kernel"),
 }
 
 
@@ -81,6 +87,9 @@ def test_greedy_tokens_match_transformers(checkpoint, mode):
     llm = LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, **MODES[mode])
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
+    if mode.startswith("flash"):  # Mistral's sliding window keeps it on the kernel
+        windowed = path.name.startswith("mistral")
+        assert llm.engine.attention.builder.sdpa_prefill_min_query_len == (None if windowed else 2)
     if mode == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
     # Again, now that the first run's blocks are cached: prefix-cache hits, same tokens.
