@@ -71,8 +71,9 @@ class EngineArgs:
 
     Args:
         model: a Hugging Face model directory, a ``.gguf`` file, or a built-in name
-            (``"smollm2"``, ``"minilm"``) served from an installed package.
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: attention and the weights.
+            (``"smollm2"``, ``"gemma3"``, ``"minilm"``) served from an installed package.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: attention and the weights
+            (Gemma 3 refuses ``"float16"``: its activations overflow it).
         kv_cache_dtype: ``"auto"`` (the cache stores ``dtype``) or ``"fp8"`` /
             ``"fp8_e4m3"`` / ``"fp8_e5m2"``: one byte per element, twice the tokens in the
             same ``kv_cache_memory``; K and V are stored as ``x / scale``.
