@@ -11,6 +11,7 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,11 +116,16 @@ def _assemble(name: str, builtin: BuiltinModel) -> str:
 
 
 def describe_model(model: str) -> str:
-    """What ``model`` (a built-in name or a path) is, in words, for messages."""
-    builtin = BUILTIN_MODELS.get(os.fspath(model))
-    if builtin is not None and not os.path.exists(model):
+    """What ``model`` (a built-in name or a path) is, in words, for messages. A path to a
+    built-in model's file (its assembled copy, say) is described as that model."""
+    model = os.fspath(model)
+    builtin = BUILTIN_MODELS.get(model)
+    if builtin is None or os.path.exists(model):
+        name = os.path.basename(os.path.normpath(model))
+        builtin = next((b for b in BUILTIN_MODELS.values() if b.inner == name), None)
+    if builtin is not None:
         return builtin.about
-    return f"checkpoint {os.fspath(model)}"
+    return f"{'GGUF file' if model.endswith('.gguf') else 'checkpoint'} {model}"
 
 
 def resolve_model(model: str) -> str:
@@ -299,14 +305,41 @@ def _gguf_checkpoint(path: str) -> Checkpoint:
     return Checkpoint(path, config, weights, (folder, {"gguf_file": file}))
 
 
+def _gguf_tokenizer_cache(folder: str, file: str) -> Path:
+    """Where the tokenizer rebuilt from a GGUF is kept: the per-machine cache, keyed by the
+    file's name, size and modification time."""
+    st = os.stat(os.path.join(folder, file))
+    return cache_dir() / "tokenizers" / f"{file}-{st.st_size}-{st.st_mtime_ns}"
+
+
 def load_tokenizer(checkpoint: Checkpoint):
-    """A transformers fast tokenizer (from tokenizer.json, or rebuilt from the GGUF)."""
+    """A transformers fast tokenizer (from tokenizer.json, or rebuilt from the GGUF).
+
+    Rebuilding from a GGUF converts its whole vocabulary (16 s for Gemma 3's 262,144
+    tokens); the result is saved once (``save_pretrained``) in the per-machine cache and
+    read from there afterwards (4 s). Where the cache cannot be written, it is rebuilt."""
     if checkpoint.tokenizer_source is None:
         return None
     from transformers import AutoTokenizer
 
     folder, kwargs = checkpoint.tokenizer_source
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    gguf_file = kwargs.get("gguf_file")
+    if gguf_file is None:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    cached = _gguf_tokenizer_cache(folder, gguf_file)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    partial = cached.with_name(f".{cached.name}.{os.getpid()}.partial")
+    try:
+        tokenizer.save_pretrained(partial)
+        os.replace(partial, cached)  # another process may have won: either copy is whole
+    except OSError:
+        pass
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
 
 
 class WeightCopier:
