@@ -92,7 +92,8 @@ class EngineArgs:
         kv_cache_memory: bytes for the KV cache pool (int, or ``"512MiB"``).
         max_num_batched_tokens: per-step token budget (longer prefills are chunked).
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
-        max_model_len: longest request (prompt + output); default the model's context.
+        max_model_len: longest request (prompt + output); default the model's context,
+            capped at what ``kv_cache_memory`` holds.
         max_num_seqs: most requests running at once.
         seed: seeds the sampling of requests that bring no seed of their own.
         skip_tokenizer_init: no tokenizer (prompts must be token-id lists).

@@ -135,6 +135,7 @@ class LLM:
             self.embedder = Embedder(loaded, self.args)
         else:
             self.engine = LLMEngine(loaded, self.args)
+            self.max_model_len = self.engine.max_model_len
         self.last_stats = GenerateStats()
 
     @property
