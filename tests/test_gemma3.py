@@ -351,14 +351,20 @@ def test_greedy_matches_transformers_gguf_long_prompts(hf_from_gguf):
 
 @pytest.mark.slow
 @needs_gemma3
-def test_bf16_follows_fp32(gemma3_fp32):
-    """bf16 (the normal dtype) on the same prompts: the first greedy tokens agree with fp32."""
-    llm = LLM(model=GEMMA3, dtype="bfloat16", max_model_len=2304, kv_cache_memory="256MiB")
-    tok = llm.tokenizer
+def test_other_linear_impls_and_bf16_follow_fp32(gemma3_fp32):
+    """linear_impl="torch" (nn.Linear, fp32) gives the packed kernel's fp32 tokens; bf16
+    (the normal dtype) agrees on the first ones."""
+    tok = gemma3_fp32.tokenizer
     prompts = [tok("The capital of France is").input_ids, long_prompt(tok, 900, seed=2)]
-    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for a, b in zip(llm.generate(prompts, sp), gemma3_fp32.generate(prompts, sp)):
-        assert a.token_ids[:2] == b.token_ids[:2]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in gemma3_fp32.generate(prompts, sp)]
+    torch_fp32 = LLM(model=GEMMA3, dtype="float32", linear_impl="torch", max_model_len=2304,
+                     kv_cache_memory="256MiB")
+    assert [o.token_ids for o in torch_fp32.generate(prompts, sp)] == want
+    del torch_fp32
+    bf16 = LLM(model=GEMMA3, dtype="bfloat16", max_model_len=2304, kv_cache_memory="256MiB")
+    for out, tokens in zip(bf16.generate(prompts, sp), want):
+        assert out.token_ids[:2] == tokens[:2]
 
 
 @pytest.mark.slow
