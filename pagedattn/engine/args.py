@@ -72,8 +72,9 @@ class EngineArgs:
 
     Args:
         model: a Hugging Face model directory, a ``.gguf`` file, or a built-in name
-            (``"smollm2"``, ``"minilm"``) served from an installed package.
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: attention and the weights.
+            (``"smollm2"``, ``"gemma3"``, ``"minilm"``) served from an installed package.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: attention and the weights
+            (Gemma 3 refuses ``"float16"``: its activations overflow it).
         kv_cache_dtype: ``"auto"`` (the cache stores ``dtype``) or ``"fp8"`` /
             ``"fp8_e4m3"`` / ``"fp8_e5m2"``: one byte per element, twice the tokens in the
             same ``kv_cache_memory``; K and V are stored as ``x / scale``.
@@ -97,7 +98,8 @@ class EngineArgs:
         kv_cache_memory: bytes for the KV cache pool (int, or ``"512MiB"``).
         max_num_batched_tokens: per-step token budget (longer prefills are chunked).
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
-        max_model_len: longest request (prompt + output); default the model's context.
+        max_model_len: longest request (prompt + output); default the model's context,
+            capped at what ``kv_cache_memory`` holds.
         max_num_seqs: most requests running at once.
         seed: seeds the sampling of requests that bring no seed of their own.
         skip_tokenizer_init: no tokenizer (prompts must be token-id lists).

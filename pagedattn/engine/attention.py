@@ -24,6 +24,24 @@ class AttentionGeometry:
     head_dim: int
     sliding_window: int | None
     attn_type: str  # AttentionType.DECODER or ENCODER_ONLY
+    layer_windows: tuple[int | None, ...] | None = None
+    """Per-layer windows (``None`` in it = full attention) where layers differ (Gemma 3:
+    five sliding layers, then a global one); ``None``: every layer has ``sliding_window``."""
+    scale: float | None = None
+    """Softmax scale; ``None`` = ``head_dim ** -0.5``."""
+    logits_soft_cap: float | None = None
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
+    @property
+    def cache_window(self) -> int | None:
+        """The window the KV cache spec (and the step plan's load-balancing hint) gets: the
+        common one, or ``None`` when any layer attends to everything. With ``None`` every
+        layer keeps every block of a request: a sliding layer's kernel masks the keys
+        outside its window, so the result is exact and only memory is spent."""
+        windows = {self.window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -50,7 +68,7 @@ def build_attention(args: EngineArgs, geo: AttentionGeometry, max_model_len: int
     spec_cls = EncoderOnlyAttentionSpec if geo.attn_type == AttentionType.ENCODER_ONLY else AttentionSpec
     spec = spec_cls(block_size=args.block_size, num_kv_heads=geo.num_kv_heads,
                     head_size=geo.head_dim, dtype=args.cache_dtype,
-                    sliding_window=geo.sliding_window)
+                    sliding_window=geo.cache_window)
     builder_config = BuilderConfig(
         model_config=ModelConfig(dtype=args.dtype, num_attention_heads=geo.num_heads,
                                  num_kv_heads=geo.num_kv_heads, head_size=geo.head_dim,
@@ -63,10 +81,12 @@ def build_attention(args: EngineArgs, geo: AttentionGeometry, max_model_len: int
         extra["sdpa_prefill_min_query_len"] = min_len
     builder = backend_cls.get_builder_cls()(spec, names, builder_config, torch.device("cpu"),
                                             **extra)
-    impls = [backend_cls.get_impl_cls()(geo.num_heads, geo.head_dim, geo.head_dim ** -0.5,
-                                        geo.num_kv_heads, None, geo.sliding_window,
-                                        args.kv_cache_dtype, attn_type=geo.attn_type)
-             for _ in range(geo.num_layers)]
+    scale = geo.head_dim ** -0.5 if geo.scale is None else geo.scale
+    impls = [backend_cls.get_impl_cls()(geo.num_heads, geo.head_dim, scale, geo.num_kv_heads,
+                                        None, geo.window(i), args.kv_cache_dtype,
+                                        logits_soft_cap=geo.logits_soft_cap,
+                                        attn_type=geo.attn_type)
+             for i in range(geo.num_layers)]
     return AttentionStack(backend_cls, spec, builder, impls, prefill_plan)
 
 

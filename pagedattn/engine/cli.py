@@ -68,10 +68,11 @@ def describe_engine(llm) -> str:
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
-                   help="HF model directory, .gguf file, or built-in name (smollm2)")
+                   help="HF model directory, .gguf file, or built-in name (smollm2, gemma3)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the model's chat template (gemma3 has none)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -117,6 +118,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         lines = plan.lines() if plan is not None else [f"linear paths: {llm.linear_impl} (forced)"]
         print("\n".join(lines))
     progress = len(prompts) > 1
+    missing = llm.chat_template_missing() if args.chat else None
+    if missing:
+        print(f"pagedattn generate --chat: {missing}; drop --chat to send the prompts as "
+              "plain text", file=sys.stderr)
+        return 2
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)
     else:

@@ -28,6 +28,7 @@ from pagedattn.engine.loading import load_model
 from pagedattn.engine.request import FinishReason, Request
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import RequestRejectedError
+from pagedattn.models.loader import describe_model
 
 
 @dataclass
@@ -134,6 +135,7 @@ class LLM:
             self.embedder = Embedder(loaded, self.args)
         else:
             self.engine = LLMEngine(loaded, self.args)
+            self.max_model_len = self.engine.max_model_len
         self.last_stats = GenerateStats()
 
     @property
@@ -204,14 +206,26 @@ class LLM:
         """Generate answers to one conversation (a list of ``{"role", "content"}``) or a
         list of conversations, through the model's chat template."""
         self._decoder("chat()")
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("chat() needs a tokenizer with a chat template; this model has none")
+        missing = self.chat_template_missing()
+        if missing:
+            raise ValueError(f"chat() cannot format messages for model {self.args.model!r}: "
+                             f"{missing}; pass a plain prompt to generate() instead")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
             prompts.append(self.tokenizer(text, add_special_tokens=False).input_ids)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_template_missing(self) -> str | None:
+        """Why this model cannot format chat messages (``None`` when it can): no tokenizer,
+        or a tokenizer whose checkpoint carries no chat template (the pretrained Gemma 3
+        GGUF, for one)."""
+        if self.tokenizer is None:
+            return "it has no tokenizer (built with skip_tokenizer_init=True)"
+        if not getattr(self.tokenizer, "chat_template", None):
+            return f"the {describe_model(self.args.model)} carries no chat template"
+        return None
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request (frees its blocks); False if unknown."""

@@ -59,6 +59,10 @@ class LLMEngine:
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={args.kv_cache_memory!r} holds no block of "
                              f"{page_bytes} bytes")
+        if args.max_model_len is None:
+            # The default is the model's context, but no longer than the pool holds (Gemma
+            # 3's 32,768 tokens need 576 MiB of bf16 cache; the default pool is 512 MiB).
+            self.max_model_len = min(self.max_model_len, self.num_blocks * args.block_size)
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, args.max_num_batched_tokens, self.max_model_len,
                                    args.max_num_seqs)

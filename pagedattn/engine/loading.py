@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from pagedattn.backend import AttentionType
 from pagedattn.engine.args import EngineArgs
 from pagedattn.engine.attention import AttentionGeometry, AttentionStack, build_attention
 from pagedattn.models.bert import BertConfig, BertModel
+from pagedattn.models.gemma3 import ALLOWED_DTYPES, GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
 from pagedattn.models.layers import pack_linear_layers
 from pagedattn.models.linear_paths import install_linear_paths
 from pagedattn.models.llama import LlamaConfig, LlamaForCausalLM
@@ -20,7 +22,7 @@ from pagedattn.models.loader import load_checkpoint, load_tokenizer, resolve_mod
 
 @dataclass(frozen=True)
 class LoadedModel:
-    config: Any  # LlamaConfig or BertConfig
+    config: Any  # LlamaConfig, Gemma3Config or BertConfig
     model: nn.Module
     tokenizer: Any  # a transformers tokenizer, or None (skip_tokenizer_init)
     attention: AttentionStack
@@ -42,14 +44,32 @@ def _max_model_len(args: EngineArgs, limit: int) -> int:
     return args.max_model_len
 
 
+def _refuse_fp16(args: EngineArgs) -> None:
+    """Gemma's activations (its residual stream above all) leave float16's range."""
+    if torch.float16 in (args.dtype, args.linear_dtype):
+        raise ValueError(f"Gemma 3 does not run in float16 (its activations overflow "
+                         f"fp16's range); dtype must be one of {', '.join(ALLOWED_DTYPES)}, "
+                         f"got dtype={args.dtype}, linear_dtype={args.linear_dtype}")
+
+
 def load_model(args: EngineArgs) -> LoadedModel:
     ckpt = load_checkpoint(resolve_model(args.model), need_tokenizer=not args.skip_tokenizer_init)
-    is_encoder = ckpt.config.get("model_type") == "bert"
+    model_type = ckpt.config.get("model_type")
+    is_encoder = model_type == "bert"
+    model_kwargs: dict[str, Any] = {}
     if is_encoder:
         cfg = BertConfig.from_hf(ckpt.config)
         geo = AttentionGeometry(cfg.num_layers, cfg.num_heads, cfg.num_heads, cfg.head_dim,
                                 None, AttentionType.ENCODER_ONLY)
         model_cls = BertModel
+    elif model_type in GEMMA3_MODEL_TYPES:
+        cfg = Gemma3Config.from_hf(ckpt.config)
+        _refuse_fp16(args)
+        geo = AttentionGeometry(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                None, AttentionType.DECODER, layer_windows=cfg.layer_windows,
+                                scale=cfg.attn_scale, logits_soft_cap=cfg.attn_logit_softcapping)
+        model_cls = Gemma3ForCausalLM
+        model_kwargs["dtype"] = args.dtype
     else:
         cfg = LlamaConfig.from_hf(ckpt.config)
         geo = AttentionGeometry(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -58,7 +78,7 @@ def load_model(args: EngineArgs) -> LoadedModel:
     max_model_len = _max_model_len(args, cfg.max_position_embeddings)
     attention = build_attention(args, geo, max_model_len)
     attn_dtype = args.dtype if args.linear_dtype != args.dtype else None
-    net = model_cls(cfg, attention.impls, attn_dtype)
+    net = model_cls(cfg, attention.impls, attn_dtype, **model_kwargs)
     net.load_weights(ckpt.weights())
     net = net.to(args.linear_dtype).eval()
     plan = None

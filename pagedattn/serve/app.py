@@ -85,9 +85,11 @@ class ServeState:
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         tok = self.llm.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise APIError(400, f"model {self.model_name!r} has no chat template, so it cannot "
-                                "format messages: use /v1/completions with a prompt", param="messages")
+        missing = self.llm.chat_template_missing()
+        if missing:
+            raise APIError(400, f"model {self.model_name!r} cannot format chat messages: "
+                                f"{missing}; use /v1/completions with a prompt",
+                           param="messages")
         conv = [{"role": m.role, "content": m.text()} for m in body.messages]
         text = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False).input_ids

@@ -12,7 +12,7 @@ from pagedattn.engine.cli import add_engine_arguments, describe_engine, engine_a
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
-                   help="HF model directory, .gguf file, or built-in name (smollm2, minilm)")
+                   help="HF model directory, .gguf file, or built-in name (smollm2, gemma3, minilm)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1",

@@ -105,20 +105,29 @@ def smollm2_gguf() -> Path:
 
 def smollm2_checkpoint(directory: str | os.PathLike | None = None) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face checkpoint directory (fp32 safetensors,
-    config, tokenizer with its chat template), converted once from the GGUF.
+    config, tokenizer with its chat template), converted once from the GGUF
+    (:func:`hf_checkpoint_from_gguf`; default ``directory``: ``<venv>/pagedattn-models/``)."""
+    return hf_checkpoint_from_gguf(smollm2_gguf(), directory or Path(sys.prefix) / "pagedattn-models",
+                                   "SmolLM2-135M-Instruct")
+
+
+def hf_checkpoint_from_gguf(gguf: str | os.PathLike, directory: str | os.PathLike,
+                            name: str) -> Path:
+    """The GGUF file ``gguf`` as a Hugging Face checkpoint directory ``directory/name``
+    (fp32 safetensors, config, tokenizer), converted once and reused.
 
     vLLM 0.32 does not read GGUF files, so its engine gets this directory. transformers
-    dequantises the Q4_1 weights (``gguf`` and ``accelerate`` do the reading); the result
-    is kept in ``directory`` (default: ``<venv>/pagedattn-models/``) and reused.
+    dequantises the weights (``gguf`` and ``accelerate`` do the reading; Gemma's norm
+    weights come back as Hugging Face's ``w`` of ``x * (1 + w)``).
     """
-    target = Path(directory or Path(sys.prefix) / "pagedattn-models") / "SmolLM2-135M-Instruct"
+    target = Path(directory) / name
     if (target / "model.safetensors").is_file():
         return target
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf()
+    gguf = Path(gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
@@ -127,6 +136,9 @@ def smollm2_checkpoint(directory: str | os.PathLike | None = None) -> Path:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantised now
+    # A GGUF-made config names no architecture, and vLLM then picks by model type (for
+    # gemma3_text its embedding model): name the causal LM class.
+    config.architectures = [type(model).__name__]
     config.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     state = model.state_dict()
