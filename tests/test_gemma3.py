@@ -116,13 +116,26 @@ def test_rope_base_per_layer_type():
     torch.manual_seed(1)
     positions = torch.tensor([0, 1, 7, 8, 100, 511])
     q, k = torch.randn(6, 4, 32), torch.randn(6, 1, 32)
-    for kind in (FULL, SLIDING):
+    half = 16
+    for kind, base in ((FULL, 1e6), (SLIDING, 1e4)):
+        # transformers' cosines and sines per layer type are our table's rows.
         cos, sin = rotary(q, positions[None], kind)
-        want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                 cos, sin)
+        table = model.rotary[kind].cos_sin[positions]
+        torch.testing.assert_close(cos[0], torch.cat([table[:, :half]] * 2, -1), atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin[0], torch.cat([table[:, half:]] * 2, -1), atol=1e-6, rtol=0)
+        # Our rotation against the rotate-half formula in float64 at this layer type's base.
+        inv = 1.0 / base ** (torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half))
+        angle = positions.double()[:, None, None] * inv
+        c, s_ = angle.cos(), angle.sin()
         got_q, got_k = model.rotary[kind](positions, q.clone(), k.clone())
-        torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        for got, x in ((got_q, q), (got_k, k)):
+            x1, x2 = x.double()[..., :half], x.double()[..., half:]
+            want = torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], -1)
+            # fp32 angles pos * f are off by up to pos * f * 2^-23 (f and the product each
+            # rounded), which moves each output by at most that times |x1| + |x2|; plus
+            # the sums' own rounding.
+            bound = (angle * 2.0 ** -23 * (x1.abs() + x2.abs())).max().item() + 1e-6
+            torch.testing.assert_close(got.double(), want, atol=bound, rtol=0)
     # The layers pick theirs: five local, then a global one.
     assert [layer.layer_type for layer in model.layers] == [SLIDING] * 5 + [FULL]
 
