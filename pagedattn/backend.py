@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedattn import distributed
+from pagedattn.checks import require_int
 from pagedattn.common_metadata import CommonAttentionMetadata
 from pagedattn.config import (
     CONFIGURABLE_BLOCK_SIZES,
@@ -68,8 +69,7 @@ class MultipleOf:
     base: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.base, bool) or not isinstance(self.base, int) or self.base < 1:
-            raise ValueError(f"MultipleOf base must be an int >= 1, got {self.base!r}")
+        require_int("MultipleOf base", self.base, 1)
 
 
 def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
@@ -538,10 +538,7 @@ class MLAAttentionImpl(AttentionImpl[T], Generic[T]):
 
 
 def _check_threshold(value: int | None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"reorder_batch_threshold must be None or an int >= 1, got {value!r}")
+    require_int("reorder_batch_threshold", value, 1, allow_none=True)
 
 
 class AttentionMetadataBuilder(ABC, Generic[M]):

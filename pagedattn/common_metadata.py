@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pagedattn import paging
+from pagedattn.checks import require_int
 
 __all__ = ["CommonAttentionMetadata"]
 
@@ -45,8 +46,7 @@ def _warn_deprecated_once(name: str, advice: str) -> None:
 
 
 def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    require_int(name, value, 0)
 
 
 def _check_1d(name: str, t: object, min_len: int) -> None:
@@ -227,10 +227,8 @@ class CommonAttentionMetadata:
                     f"request {r}: seq_len ({sl}) must be >= query_len ({ql}); seq_len "
                     "counts the context plus this step's query tokens"
                 )
-        if block_size is not None and (
-            isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
-        ):
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if block_size is not None:
+            require_int("block_size", block_size, 1)
         if block_size is None and (block_table is None or slot_mapping is None):
             raise ValueError(
                 "block_size is required to derive a missing block_table or slot_mapping"

@@ -13,6 +13,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
+from pagedattn.checks import require_int
 from pagedattn.ops import kernel_shapes
 
 BlockSize = Literal[1, 8, 16, 32, 64, 128, 256]
@@ -92,8 +93,7 @@ def current_device_capability(device: torch.device | str | None = None) -> Devic
 
 
 def _require_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    require_int(name, value, 1, expected="a positive int")
 
 
 def validate_block_size(block_size: int) -> int:
@@ -177,9 +177,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        n = self.num_speculative_tokens
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise ValueError(f"num_speculative_tokens must be None or an int >= 0, got {n!r}")
+        require_int("num_speculative_tokens", self.num_speculative_tokens, 0, allow_none=True)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from pagedattn.checks import require_int
+
 __all__ = [
     "ParallelGroup",
     "ParallelStateNotInitializedError",
@@ -32,13 +34,6 @@ class ParallelStateNotInitializedError(RuntimeError):
     """Raised when a parallel group is read before ``init_context_parallel_groups``."""
 
 
-def _check_int(name: str, value: object) -> int:
-    # bool is an int subclass; True as a world size is always a bug.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class ParallelGroup:
     """One process's place in a parallel group.
@@ -52,8 +47,9 @@ class ParallelGroup:
     rank_in_group: int
 
     def __post_init__(self) -> None:
-        _check_int("world_size", self.world_size)
-        _check_int("rank_in_group", self.rank_in_group)
+        # A non-int is a TypeError; the ranges below raise ValueError.
+        require_int("world_size", self.world_size, error=TypeError)
+        require_int("rank_in_group", self.rank_in_group, error=TypeError)
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank_in_group < self.world_size:

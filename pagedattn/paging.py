@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedattn.checks import require_int
+
 PAD_SLOT_ID = -1
 """Slot sentinel: the token is not written to the KV cache."""
 
@@ -188,9 +190,7 @@ def split_decodes_and_prefills(query_start_loc: torch.Tensor, num_actual_tokens:
         ValueError: ``decode_threshold < 1``, or (non-uniform) a decode after the first
             prefill, i.e. a batch that was not reordered.
     """
-    if isinstance(decode_threshold, bool) or not isinstance(decode_threshold, int) \
-            or decode_threshold < 1:
-        raise ValueError(f"decode_threshold must be an int >= 1, got {decode_threshold!r}")
+    require_int("decode_threshold", decode_threshold, 1)
     qsl = query_start_loc
     num_reqs = qsl.numel() - 1
     num_tokens = num_actual_tokens
@@ -242,9 +242,7 @@ def reorder_batch_decodes_first(input_batch: Any, num_scheduled_tokens: dict[str
         ValueError: ``decode_threshold < 1`` or a request of the batch missing from
             ``num_scheduled_tokens``.
     """
-    if isinstance(decode_threshold, bool) or not isinstance(decode_threshold, int) \
-            or decode_threshold < 1:
-        raise ValueError(f"decode_threshold must be an int >= 1, got {decode_threshold!r}")
+    require_int("decode_threshold", decode_threshold, 1)
     missing = [r for r in input_batch.req_ids if r not in num_scheduled_tokens]
     if missing:
         raise ValueError(f"requests {missing} of the input batch have no entry in "

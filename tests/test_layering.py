@@ -31,6 +31,7 @@ RULES = [
       "pagedattn.config", "pagedattn.integrations", "pagedattn.compat"),
      ("pagedattn.bench",), "testing.py and the product modules import nothing from bench/"),
     (CORE, SEED_PATH_SHIMS, "no core module imports a seed-path shim"),
+    (("pagedattn.checks",), ("pagedattn",), "checks.py imports nothing from the package"),
 ]
 
 PLUGIN = "pagedattn.integrations.vllm"
@@ -95,6 +96,7 @@ def test_the_rules_see_the_imports():
     assert "pagedattn.backends.cpu_runtime" in MODULES["pagedattn.backends.cpu_attn"]
     assert "pagedattn.compat.backend_utils" in MODULES["pagedattn.backends.utils"]
     assert any(_within(m, ("pagedattn.bench",)) for m in MODULES["pagedattn.cli"])
+    assert "pagedattn.checks" in MODULES["pagedattn.paging"]
 
 
 def test_the_seed_path_reexports_its_names():

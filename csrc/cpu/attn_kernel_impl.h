@@ -1,7 +1,7 @@
 
 
 // The paged-attention kernel template, written once over a vector-ops struct `VO`
-// (VecScalar / VecAvx2 / VecAvx512 / VecNeon). Each kernels_<isa>.cpp includes the standard
+// (VecPortable / VecAvx2 / VecAvx512 / VecNeon). Each kernels_<isa>.cpp includes the standard
 // headers, then (under its #pragma GCC target) opens an anonymous namespace and includes its
 // vec header and this file, so every ISA gets private copies of everything here.
 //
@@ -9,43 +9,14 @@
 // row = token * G + g for the G query heads sharing the kv head, so each K/V block is
 // streamed once for the whole GQA group (and all tokens of a short spec-decode query).
 // Per key block:  S = Q.K^T (fp32) -> scale, softcap, ALiBi, mask -> online softmax
-// (running max m, sum l, rescaled accumulators) -> acc += P.V.
+// (running max m, sum l, rescaled accumulators; online_softmax.h) -> acc += P.V.
 
 // Decode items stream each K/V block once per GQA group with software prefetch a step
 // ahead and page touches further ahead; prefill items of >= 16 rows (8 on AVX2) take the
 // rows-in-lanes kernels of prefill_lanes_avx512.h / prefill_lanes_avx2.h. Measurements,
 // profiles and what was tried: docs/performance.md.
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Softcapped scores: cap * tanh(s * scale / cap), accurate over the whole range.
-// 1 - 2 / (exp(2x) + 1) alone has an absolute error ~1e-7, i.e. no relative precision
-// once |x| << 1 (cap 1e6 over scores ~1 gave output errors ~0.1). So x = a + b with
-// a = clamp(x, -c, c) and tanh(x) = (tanh a + tanh b) / (1 + tanh a tanh b): tanh a from
-// its odd series (relative error < 1e-8 for |a| <= c), tanh b from the exp formula, which
-// is exactly 0 for b = 0 (|x| <= c) and otherwise adds an absolute error ~1e-7 next to
-// |tanh x| >= tanh c. Saturates to +-1 at +-inf. scale_over_cap = scale / cap (finite,
-// checked by the binding). Shared by softmax_row and the rows-in-lanes prefill kernels.
-template <class VO>
-inline typename VO::V softcap_scores(typename VO::V s, typename VO::V scale_over_cap,
-                                     typename VO::V cap) {
-  using V = typename VO::V;
-  const V x = VO::mul(s, scale_over_cap);
-  const V neg = VO::set1(-1.f), one = VO::set1(1.f), minus_c = VO::set1(-0.25f);
-  // a = min(max(x, -c), c), written with max only: min(u, v) = -max(-u, -v).
-  const V a = VO::mul(neg, VO::max(VO::mul(neg, VO::max(x, minus_c)), minus_c));
-  const V b = VO::add(x, VO::mul(neg, a));
-  const V a2 = VO::mul(a, a);
-  V series = VO::set1(62.f / 2835.f);  // tanh a = a (1 - a^2/3 + 2a^4/15 - 17a^6/315 + ...)
-  series = VO::fma(series, a2, VO::set1(-17.f / 315.f));
-  series = VO::fma(series, a2, VO::set1(2.f / 15.f));
-  series = VO::fma(series, a2, VO::set1(-1.f / 3.f));
-  series = VO::fma(series, a2, one);
-  const V ta = VO::mul(a, series);
-  const V e = VO::exp(VO::add(b, b));
-  const V tb = VO::add(one, VO::mul(neg, VO::div(VO::set1(2.f), VO::add(e, one))));
-  return VO::mul(cap, VO::div(VO::add(ta, tb), VO::fma(ta, tb, one)));
-}
+#include "online_softmax.h"  // kNegInf, softcap_scores, the softmax step
 
 // Whether every row r < R sees all keys [a, b] (its visible range [lo[r], hi[r]] covers it).
 template <class I>
@@ -235,14 +206,14 @@ struct PvGeneric {
 template <class VO, class C, class T = C>
 struct Pv : PvGeneric<VO, C> {};
 
-// Row state of a rows-in-lanes prefill item (prefill_lanes_*.h), rows token-major and padded
-// to Rp: each row's visible keys [lo, hi] (empty, 1 > 0, for padding rows), its negated
-// position (int32: ALiBi's j - p is formed in integers, fp32 positions lose bits past
-// 2^24) and ALiBi slope, and the running max/sum; [*ulo, *uhi] is the union of the rows'
-// visible keys (*ulo > *uhi: none).
-inline void init_lane_rows(const AttnParams& p, const WorkItem& it, int Rp, int32_t* lo,
-                           int32_t* hi, int32_t* neg_pos, float* slope, float* m, float* l,
+// Initial row state of a rows-in-lanes prefill item (LaneRows, online_softmax.h, [Rp] each):
+// the rows' visible keys, negated positions (int32: ALiBi's j - p is formed in integers)
+// and slopes, m = -inf, l = 0; [*ulo, *uhi] is the union of the rows' visible keys
+// (*ulo > *uhi: none).
+inline void init_lane_rows(const AttnParams& p, const WorkItem& it, int Rp, const LaneRows& rows,
                            int64_t* ulo, int64_t* uhi) {
+  int32_t *lo = rows.lo, *hi = rows.hi, *neg_pos = rows.neg_pos;
+  float *slope = rows.slope, *m = rows.m, *l = rows.l;
   const int G = p.num_heads / p.num_kv_heads;
   const int64_t qs = p.query_start_loc[it.req];
   const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
@@ -250,7 +221,7 @@ inline void init_lane_rows(const AttnParams& p, const WorkItem& it, int Rp, int3
   *ulo = INT64_MAX, *uhi = -1;
   for (int r = 0; r < Rp; ++r) {
     lo[r] = 1, hi[r] = 0, neg_pos[r] = 0, slope[r] = 0.f;
-    m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
+    m[r] = kNegInf, l[r] = 0.f;
   }
   for (int t = 0; t < it.q_end - it.q_begin; ++t) {
     const int64_t ps = kv_len - q_len + it.q_begin + t;
@@ -421,6 +392,7 @@ struct AttnKernel {
     }
 
     if (ulo <= uhi) {
+      const ScoreTransform<VO> tr(p);
       const int32_t* bt = p.block_table + it.req * p.bt_stride;
       const C* kbase = static_cast<const C*>(p.k_cache) + it.kv_head * p.k_stride_head;
       const C* vbase = static_cast<const C*>(p.v_cache) + it.kv_head * p.v_stride_head;
@@ -483,8 +455,8 @@ struct AttnKernel {
         pf.pace(qk_ticks(Rh, t0, t1) + PvT::ticks(Rh, t0, t1, D));
         qk(qp + r0 * D, Rh, ke, kst, t0, t1, S, lds, D, BS, kpad, pf);
         for (int r = 0; r < Rh; ++r)
-          softmax_row(p, (it.kv_head + h) * G + r % G, S + r * lds, base, t0, t1, lo[r], hi[r],
-                      pos[r], m + r0 + r, l + r0 + r, acc + (r0 + r) * D, D);
+          softmax_row(p, tr, (it.kv_head + h) * G + r % G, S + r * lds, base, t0, t1, lo[r],
+                      hi[r], pos[r], m + r0 + r, l + r0 + r, acc + (r0 + r) * D, D);
         pv_visible(S, lds, Rh, ve, vst, base, t0, t1, lo, hi, acc + r0 * D, D, pf);
         pf.issue(pf.lines());
       }
@@ -566,57 +538,56 @@ struct AttnKernel {
   static int row_token(int r, int Rh, int G) { return (r % Rh) / G; }
 
   // Turns raw scores s[t0..t1) of one row into probabilities relative to the updated
-  // running max, and rescales the row's accumulator and sum.
-  static void softmax_row(const AttnParams& p, int qhead, float* s, int64_t base, int t0,
-                          int t1, int64_t lo, int64_t hi, int64_t ps, float* m, float* l,
-                          float* acc, int D) {
+  // running max, and rescales the row's accumulator and sum (the keys-in-lanes layout of
+  // the online-softmax step, online_softmax.h). Not inlined: see lanes_softmax_block.
+  __attribute__((noinline)) static void softmax_row(const AttnParams& p,
+                                                    const ScoreTransform<VO>& tr, int qhead,
+                                                    float* s, int64_t base, int t0, int t1,
+                                                    int64_t lo, int64_t hi, int64_t ps,
+                                                    float* m, float* l, float* acc, int D) {
+    using VI = typename VO::VI;
     const int tl = static_cast<int>(std::max<int64_t>(t0, lo - base));
     const int th = static_cast<int>(std::min<int64_t>(t1 - 1, hi - base));
     if (tl > th) {  // nothing visible for this row in this block
       for (int t = t0; t < t1; ++t) s[t] = 0.f;
       return;
     }
-    const float scale = p.scale;
+    const VI iota = VO::iotai();
     // Plain scores (no softcap, no ALiBi) stay unscaled: the scale is folded into the
     // exponent's FMA below, which saves a load-multiply-store pass over the block.
-    const bool fold_scale = p.softcap <= 0.f && p.alibi == nullptr && scale > 0.f;
-    if (p.softcap > 0.f) {
-      const V over = VO::set1(scale / p.softcap), cap = VO::set1(p.softcap);
-      for (int t = tl / W * W; t <= th; t += W)
-        VO::store(s + t, softcap_scores<VO>(VO::load(s + t), over, cap));
-    } else if (!fold_scale) {
-      const V sv = VO::set1(scale);
-      for (int t = tl / W * W; t <= th; t += W) VO::store(s + t, VO::mul(VO::load(s + t), sv));
+    const bool fold_scale = !tr.softcap && !tr.alibi && p.scale > 0.f;
+    if (!fold_scale) {
+      const V slope = VO::set1(tr.alibi ? p.alibi[qhead] : 0.f);
+      for (int t = tl / W * W; t <= th; t += W) {
+        V x = tr.scaled(VO::load(s + t));
+        if (tr.alibi) {  // key - query position, exact in int32 (positions are int32)
+          const VI dist = VO::addi(iota, VO::set1i(static_cast<int32_t>(base + t - ps)));
+          x = tr.add_alibi(x, slope, dist);
+        }
+        VO::store(s + t, x);
+      }
     }
-    if (p.alibi != nullptr) {
-      const float slope = p.alibi[qhead];
-      for (int t = tl; t <= th; ++t) s[t] += slope * static_cast<float>(base + t - ps);
-    }
-    // Invisible keys -> -inf, including the lanes of the last vector past t1 (lds leaves
-    // room).
-    const int t_end = t0 + (t1 - t0 + W - 1) / W * W;
-    for (int t = t0; t < tl; ++t) s[t] = kNegInf;
-    for (int t = th + 1; t < t_end; ++t) s[t] = kNegInf;
+    // Keys outside [tl, th] -> -inf, including the lanes of the last vector past t1 (lds
+    // leaves room); the max over the row's vectors on the way.
+    const VI tlv = VO::set1i(tl), thv = VO::set1i(th);
     V mxv = VO::set1(kNegInf);
-    for (int t = t0; t < t1; t += W) mxv = VO::max(mxv, VO::load(s + t));
-    const float mx = fold_scale ? VO::hmax(mxv) * scale : VO::hmax(mxv);
-
-    const float m_old = *m;
-    const float m_new = std::max(m_old, mx);
-    const float corr = m_old == m_new ? 1.f : m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
-    V sum = VO::zero();
-    const V neg_m = VO::set1(-m_new), sv = VO::set1(fold_scale ? scale : 1.f);
     for (int t = t0; t < t1; t += W) {
-      const V e = VO::exp(VO::fma(VO::load(s + t), sv, neg_m));
-      VO::store(s + t, e);
-      sum = VO::add(sum, e);
+      V x = VO::load(s + t);
+      if (t < tl || t + W - 1 > th) {
+        x = tr.hide(x, tlv, VO::addi(iota, VO::set1i(t)), thv);
+        VO::store(s + t, x);
+      }
+      mxv = VO::max(mxv, x);
     }
-    *l = *l * corr + VO::hsum(sum);
-    *m = m_new;
-    if (corr != 1.f) {
-      const V cv = VO::set1(corr);
-      for (int d = 0; d < D; d += W) VO::store(acc + d, VO::mul(VO::load(acc + d), cv));
-    }
+    const float mx = fold_scale ? VO::hmax(mxv) * p.scale : VO::hmax(mxv);
+
+    const MaxStep<VecScalar> ms = max_step<VecScalar>(*m, mx, kExactMax);
+    const V sum = exp_sum<VO, 1>(
+        t0, t1, W, VO::set1(fold_scale ? p.scale : 1.f), VO::set1(-ms.mu),
+        [&](int t) { return VO::load(s + t); }, [&](int t, const V* e) { VO::store(s + t, e[0]); });
+    *l = VecScalar::fma(*l, ms.corr, VO::hsum(sum));
+    *m = ms.m;
+    if (ms.moved) rescale<VO>(acc, W, D / W, VO::set1(ms.corr));
   }
 
   // Log-sum-exp merge of nsplit partials (plus the sink) into the output rows.

@@ -11,6 +11,7 @@
 
 #include "isa_generated.h"
 #include "kernel_api.h"
+#include "kernel_shapes_generated.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
@@ -247,7 +248,7 @@ struct PvDp {
   using Base = PvGeneric<VecAvx512, C>;
   using Src = Bf16Src<C>;
   static constexpr int kMaxRows = 4;
-  static constexpr int kMaxBlockKeys = 512;  // kernel_shapes.py MAX_BLOCK_SIZE
+  static constexpr int kMaxBlockKeys = static_cast<int>(kMaxBlockSize);
 
   static void finish_row(float* acc, int D) {
     if (D % 32 != 0) return;

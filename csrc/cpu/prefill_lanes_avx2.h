@@ -2,7 +2,8 @@
 // vectors, every dtype computed in fp32 with FMA. Included by kernels_avx2.cpp after
 // attn_kernel_impl.h; the AVX-512 twin (prefill_lanes_avx512.h) explains the layout:
 // Q^T [D][Rp] and O^T [D][Rp] in scratch, q.k as KT keys x NG row-group outer products of
-// broadcast key elements, online softmax elementwise over 8 rows, P.V with broadcast V.
+// broadcast key elements, online softmax elementwise over 8 rows (the same
+// lanes_softmax_block, online_softmax.h), P.V with broadcast V.
 // AVX2 has no broadcast operand for bf16/fp16, so each chunk of up to 32 keys of a block is
 // first converted to fp32 (fp32 caches are read in place).
 template <class T>
@@ -12,7 +13,6 @@ struct LanesPrefillAvx2 {
   static constexpr int DT = 6;   // d rows per P.V tile
   static constexpr int SB = 32;  // keys per chunk (16 for blocks that are odd multiples of 16)
   static constexpr bool kConvert = !std::is_same<T, float>::value;
-  static constexpr float kLazy = 8.f;
   using Kern = AttnKernel<VecAvx2, T>;
 
   // st[t][rows] (t in [ta, tb), NK keys at a time) = Q.K^T for row groups [g0, g0 + NG);
@@ -114,22 +114,19 @@ struct LanesPrefillAvx2 {
     const int Rp = (R + L - 1) / L * L, NG = Rp / L;
     const int CB = BS % SB == 0 ? SB : 16;  // keys per chunk: chunks never straddle blocks
     const size_t need = 2 * static_cast<size_t>(D) * Rp + static_cast<size_t>(CB) * Rp +
-                        (kConvert ? static_cast<size_t>(CB) * D : 0) + 6 * static_cast<size_t>(Rp);
+                        (kConvert ? static_cast<size_t>(CB) * D : 0) +
+                        LaneRows::kFloatsPerRow * static_cast<size_t>(Rp);
     if (need > attn_scratch_floats(R, D, BS)) return false;
     float* qp = scratch;                 // [D][Rp] Q^T; at the end the output rows [R][D]
     float* ot = qp + D * Rp;             // [D][Rp] O^T accumulators
     float* st = ot + D * Rp;             // [CB][Rp] scores, then probabilities
     float* kv = st + CB * Rp;            // [CB][D] fp32 K, then V, of one chunk
-    float* m = kv + (kConvert ? CB * D : 0);  // [Rp] running max
-    float* l = m + Rp;                        // [Rp] running sum
-    int32_t* lo = reinterpret_cast<int32_t*>(l + Rp);  // [Rp] first visible key
-    int32_t* hi = lo + Rp;                             // [Rp] last visible key
-    int32_t* neg_pos = hi + Rp;                             // [Rp] -position (ALiBi)
-    float* slope = reinterpret_cast<float*>(neg_pos + Rp);  // [Rp] ALiBi slope
+    const LaneRows rows = LaneRows::at(kv + (kConvert ? CB * D : 0), Rp);  // softmax state
+    const int32_t *lo = rows.lo, *hi = rows.hi;
 
     const int64_t qs = p.query_start_loc[it.req];
     int64_t ulo, uhi;
-    init_lane_rows(p, it, Rp, lo, hi, neg_pos, slope, m, l, &ulo, &uhi);
+    init_lane_rows(p, it, Rp, rows, &ulo, &uhi);
     for (int r = 0; r < Rp; ++r) {  // Q^T, padding rows 0
       const T* q = r < R ? Kern::q_row(p, qs + it.q_begin + r / G, it.kv_head * G + r % G) : nullptr;
       for (int d = 0; d < D; ++d) qp[d * Rp + r] = q != nullptr ? VecScalar::cvt_load(q + d) : 0.f;
@@ -160,62 +157,11 @@ struct LanesPrefillAvx2 {
           qk_groups(qp, Rp, NG, kb + ta * p.k_stride_tok, p.k_stride_tok, ta, tb, D, st);
         }
 
-        const __m256 ninf = _mm256_set1_ps(kNegInf), one = _mm256_set1_ps(1.f);
-        const __m256 scale = _mm256_set1_ps(p.scale);
-        for (int g = 0; g < NG; ++g) {  // online softmax, 8 rows per vector
-          const int o = g * L;
-          const __m256i lov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + o));
-          const __m256i hiv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + o));
-          const __m256 sl = _mm256_loadu_ps(slope + o);
-          const __m256i np = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(neg_pos + o));
-          const __m256 m_old = _mm256_loadu_ps(m + o);
-          int32_t lo_max = INT32_MIN, hi_min = INT32_MAX;
-          for (int r = o; r < o + L; ++r) {
-            lo_max = std::max(lo_max, lo[r]);
-            hi_min = std::min(hi_min, hi[r]);
-          }
-          // Interior chunks (every key visible to every row of the group) skip the mask.
-          const bool full = lo_max <= base + ta && hi_min >= base + tb - 1;
-          __m256 mx = m_old;
-          for (int t = ta; t < tb; ++t) {
-            __m256 s = _mm256_loadu_ps(st + t * Rp + o);
-            if (p.softcap > 0.f) {
-              s = softcap_scores<VecAvx2>(s, _mm256_set1_ps(p.scale / p.softcap),
-                                          _mm256_set1_ps(p.softcap));
-            } else {
-              s = _mm256_mul_ps(s, scale);
-            }
-            if (p.alibi != nullptr) {  // slope * (j - p), j - p exact in int32
-              const __m256i dist = _mm256_add_epi32(np, _mm256_set1_epi32(static_cast<int32_t>(base + t)));
-              s = _mm256_fmadd_ps(sl, _mm256_cvtepi32_ps(dist), s);
-            }
-            if (!full) {
-              const __m256i kp = _mm256_set1_epi32(static_cast<int32_t>(base + t));
-              const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(lov, kp), _mm256_cmpgt_epi32(kp, hiv));
-              s = _mm256_blendv_ps(s, ninf, _mm256_castsi256_ps(hidden));
-            }
-            _mm256_storeu_ps(st + t * Rp + o, s);
-            mx = _mm256_max_ps(mx, s);
-          }
-          // Lazy max, as in the AVX-512 kernel: keep the old finite max unless the chunk's
-          // exceeds it by more than kLazy.
-          const __m256 moved = _mm256_cmp_ps(_mm256_add_ps(m_old, _mm256_set1_ps(kLazy)), mx, _CMP_LT_OQ);
-          mx = _mm256_blendv_ps(m_old, mx, moved);
-          // A row with nothing visible yet keeps m = -inf and subtracts 0 (exp(-inf) = 0).
-          const __m256 mu = _mm256_andnot_ps(_mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ), mx);
-          const __m256 corr = _mm256_blendv_ps(one, VecAvx2::exp(_mm256_sub_ps(m_old, mu)), moved);
-          __m256 sum = _mm256_setzero_ps();
-          for (int t = ta; t < tb; ++t) {
-            const __m256 e = VecAvx2::exp(_mm256_sub_ps(_mm256_loadu_ps(st + t * Rp + o), mu));
-            sum = _mm256_add_ps(sum, e);
-            _mm256_storeu_ps(st + t * Rp + o, e);
-          }
-          _mm256_storeu_ps(l + o, _mm256_fmadd_ps(_mm256_loadu_ps(l + o), corr, sum));
-          _mm256_storeu_ps(m + o, mx);
-          if (_mm256_movemask_ps(moved) != 0)
-            for (int d = 0; d < D; ++d)
-              _mm256_storeu_ps(ot + d * Rp + o, _mm256_mul_ps(_mm256_loadu_ps(ot + d * Rp + o), corr));
-        }
+        // Online softmax, 8 rows per vector, one key a step.
+        lanes_softmax_block<VecAvx2, 1>(p, rows, Rp, base, ta, tb, st, ot, D,
+                                        [&](int o, int t, const __m256* e) {
+          _mm256_storeu_ps(st + t * Rp + o, e[0]);
+        });
 
         // P.V over the visible keys [t0, t1) only (the others may be NaN, see to_f32).
         if (!every_row_sees(lo, hi, R, base + t0, base + t1 - 1) &&
@@ -241,7 +187,7 @@ struct LanesPrefillAvx2 {
     float* acc = qp;  // Q^T is spent: the output rows [R][D] go in its place
     for (int r = 0; r < R; ++r)
       for (int d = 0; d < D; ++d) acc[r * D + d] = ot[d * Rp + r];
-    Kern::finish(p, it, acc, m, l);
+    Kern::finish(p, it, acc, rows.m, rows.l);
     return true;
   }
 };

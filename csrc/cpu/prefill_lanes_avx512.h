@@ -9,7 +9,8 @@
 //   [D/2][rows]) and each key's element (pair) is broadcast straight from the cache
 //   ({1to16} operand); a KT keys x 2 row-groups register tile, no reductions.
 // - online softmax is elementwise over 16 rows at once (max/sum across keys are plain
-//   vmax/vadd); the mask is two integer compares per key.
+//   vmax/vadd); the mask is two integer compares per key (lanes_softmax_block,
+//   online_softmax.h, shared with the AVX2 kernel).
 // - P.V accumulates O^T[d][row] += P^T[t][row] * V[t][d] with V[t][d] broadcast. bf16 rounds
 //   P^T to bf16 pairs over consecutive keys and repacks V per block as (V[t][d], V[t+1][d])
 //   pairs so one vdpbf16ps covers two keys.
@@ -20,7 +21,6 @@ struct LanesPrefill {
   static constexpr int KT = 8;  // keys per q.k tile (x 2 row groups = 16 accumulators)
   static constexpr int DT = 8;  // d rows per P.V tile
   static constexpr int QS = kBf16 ? 2 : 1;  // d per packed Q^T / V element
-  static constexpr float kLazy = 8.f;
   using Kern = AttnKernel<VecAvx512, T>;
 
   static int32_t pair_at(const bf16_t* p) {
@@ -160,24 +160,21 @@ struct LanesPrefill {
     const int NP = BS / 2;
     const size_t need = static_cast<size_t>(D / QS) * Rp + static_cast<size_t>(D) * Rp +
                         static_cast<size_t>(BS) * Rp + (kBf16 ? static_cast<size_t>(NP) * (Rp + D) : 0) +
-                        6 * static_cast<size_t>(Rp) + static_cast<size_t>(R) * D;
+                        LaneRows::kFloatsPerRow * static_cast<size_t>(Rp) + static_cast<size_t>(R) * D;
     if (need > attn_scratch_floats(R, D, BS)) return false;
     float* qp = scratch;                 // [D/QS][Rp] Q^T (bf16: pairs as 32-bit words)
     float* ot = qp + (D / QS) * Rp;      // [D][Rp] O^T accumulators
     float* st = ot + D * Rp;             // [BS][Rp] scores, then probabilities
     float* pp = st + BS * Rp;            // bf16: [NP][Rp] pairs of P^T
     T* vp = reinterpret_cast<T*>(pp + (kBf16 ? NP * Rp : 0));  // bf16: [NP][D] V pairs
-    float* m = reinterpret_cast<float*>(vp) + (kBf16 ? NP * D : 0);  // [Rp] running max
-    float* l = m + Rp;                                      // [Rp] running sum
-    int32_t* lo = reinterpret_cast<int32_t*>(l + Rp);       // [Rp] first visible key
-    int32_t* hi = lo + Rp;                                  // [Rp] last visible key
-    int32_t* neg_pos = hi + Rp;                             // [Rp] -position (ALiBi)
-    float* slope = reinterpret_cast<float*>(neg_pos + Rp);  // [Rp] ALiBi slope
-    float* acc = slope + Rp;                                // [R][D] rows for finish
+    const LaneRows rows =  // softmax state
+        LaneRows::at(reinterpret_cast<float*>(vp) + (kBf16 ? NP * D : 0), Rp);
+    const int32_t *lo = rows.lo, *hi = rows.hi;
+    float* acc = rows.slope + Rp;  // [R][D] rows for finish
 
     const int64_t qs = p.query_start_loc[it.req];
     int64_t ulo, uhi;
-    init_lane_rows(p, it, Rp, lo, hi, neg_pos, slope, m, l, &ulo, &uhi);
+    init_lane_rows(p, it, Rp, rows, &ulo, &uhi);
     // Q^T: 16 rows x 16 words (fp32 elements or bf16 pairs) at a time; padding rows are 0.
     const int U = D / QS;
     for (int r0 = 0; r0 < Rp; r0 += 16)
@@ -199,11 +196,6 @@ struct LanesPrefill {
       const int32_t* bt = p.block_table + it.req * p.bt_stride;
       const T* kbase = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
       const T* vbase = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
-      const __m512 ninf = _mm512_set1_ps(kNegInf), one = _mm512_set1_ps(1.f);
-      const __m512 scale = _mm512_set1_ps(p.scale);
-      const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                           1, 16, 0);
       for (int64_t blk = ulo / BS; blk <= uhi / BS; ++blk) {
         const int64_t base = blk * BS;
         const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
@@ -217,64 +209,20 @@ struct LanesPrefill {
         for (; g0 + 2 <= NG; g0 += 2) qk<2>(qp, Rp, g0, kb, p.k_stride_tok, ta, tb, D, st);
         if (g0 < NG) qk<1>(qp, Rp, g0, kb, p.k_stride_tok, ta, tb, D, st);
 
-        for (int g = 0; g < NG; ++g) {  // online softmax, 16 rows per vector
-          const int o = g * 16;
-          const __m512i lov = _mm512_loadu_si512(lo + o), hiv = _mm512_loadu_si512(hi + o);
-          const __m512 sl = _mm512_loadu_ps(slope + o);
-          const __m512i np = _mm512_loadu_si512(neg_pos + o);
-          const __m512 m_old = _mm512_loadu_ps(m + o);
-          // Interior blocks (every key visible to every row of the group) skip the mask.
-          const bool full = _mm512_reduce_max_epi32(lov) <= base + ta &&
-                            _mm512_reduce_min_epi32(hiv) >= base + tb - 1;
-          __m512 mx = m_old;
-          for (int t = ta; t < tb; ++t) {
-            __m512 s = _mm512_loadu_ps(st + t * Rp + o);
-            if (p.softcap > 0.f) {
-              s = softcap_scores<VecAvx512>(s, _mm512_set1_ps(p.scale / p.softcap),
-                                            _mm512_set1_ps(p.softcap));
-            } else {
-              s = _mm512_mul_ps(s, scale);
-            }
-            if (p.alibi != nullptr) {  // slope * (j - p), j - p exact in int32
-              const __m512i dist = _mm512_add_epi32(np, _mm512_set1_epi32(static_cast<int32_t>(base + t)));
-              s = _mm512_fmadd_ps(sl, _mm512_cvtepi32_ps(dist), s);
-            }
-            if (!full) {
-              const __m512i kp = _mm512_set1_epi32(static_cast<int32_t>(base + t));
-              const __mmask16 vis = _mm512_cmple_epi32_mask(lov, kp) & _mm512_cmple_epi32_mask(kp, hiv);
-              s = _mm512_mask_mov_ps(ninf, vis, s);
-            }
-            _mm512_storeu_ps(st + t * Rp + o, s);
-            mx = _mm512_max_ps(mx, s);
+        // Online softmax, 16 rows per vector, 2 keys a step.
+        lanes_softmax_block<VecAvx512, 2>(p, rows, Rp, base, ta, tb, st, ot, D,
+                                          [&](int o, int t, const __m512* e) {
+          if constexpr (kBf16) {  // (p_t, p_t+1) bf16 pairs per row, round to nearest even
+            const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                                 18, 2, 17, 1, 16, 0);
+            const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);
+            _mm512_storeu_si512(pp + (t - ta) / 2 * Rp + o, _mm512_permutexvar_epi16(ilv, b));
+          } else {
+            _mm512_storeu_ps(st + t * Rp + o, e[0]);
+            _mm512_storeu_ps(st + (t + 1) * Rp + o, e[1]);
           }
-          // Lazy max: a row keeps its old (finite) max unless the block's exceeds it by more
-          // than kLazy, so probabilities stay <= e^kLazy (exact enough in fp32 and as bf16)
-          // and O^T is rescaled far less often.
-          const __mmask16 moved = _mm512_cmp_ps_mask(
-              _mm512_add_ps(m_old, _mm512_set1_ps(kLazy)), mx, _CMP_LT_OQ);
-          mx = _mm512_mask_mov_ps(m_old, moved, mx);
-          // A row with nothing visible yet keeps m = -inf and subtracts 0 (exp(-inf) = 0).
-          const __m512 mu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_OQ), mx);
-          const __m512 corr = _mm512_mask_mov_ps(one, moved, VecAvx512::exp(_mm512_sub_ps(m_old, mu)));
-          __m512 sum = _mm512_setzero_ps();
-          for (int t = ta; t < tb; t += 2) {
-            const __m512 e0 = VecAvx512::exp(_mm512_sub_ps(_mm512_loadu_ps(st + t * Rp + o), mu));
-            const __m512 e1 = VecAvx512::exp(_mm512_sub_ps(_mm512_loadu_ps(st + (t + 1) * Rp + o), mu));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-            if constexpr (kBf16) {  // (p_t, p_t+1) bf16 pairs per row, round to nearest even
-              const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-              _mm512_storeu_si512(pp + (t - ta) / 2 * Rp + o, _mm512_permutexvar_epi16(ilv, b));
-            } else {
-              _mm512_storeu_ps(st + t * Rp + o, e0);
-              _mm512_storeu_ps(st + (t + 1) * Rp + o, e1);
-            }
-          }
-          _mm512_storeu_ps(l + o, _mm512_fmadd_ps(_mm512_loadu_ps(l + o), corr, sum));
-          _mm512_storeu_ps(m + o, mx);
-          if (moved != 0)
-            for (int d = 0; d < D; ++d)
-              _mm512_storeu_ps(ot + d * Rp + o, _mm512_mul_ps(_mm512_loadu_ps(ot + d * Rp + o), corr));
-        }
+        });
 
         if (!every_row_sees(lo, hi, R, base + t0, base + t1 - 1) &&
             rows_have_nonfinite(vb, p.v_stride_tok, t0, t1, D)) {
@@ -316,7 +264,7 @@ struct LanesPrefill {
         transpose16(x);
         for (int j = 0; j < 16 && r0 + j < R; ++j) _mm512_storeu_ps(acc + (r0 + j) * D + d0, x[j]);
       }
-    Kern::finish(p, it, acc, m, l);
+    Kern::finish(p, it, acc, rows.m, rows.l);
     return true;
   }
 };

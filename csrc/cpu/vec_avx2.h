@@ -3,6 +3,8 @@
 
 struct VecAvx2 {
   using V = __m256;
+  using VI = __m256i;  // 8 x int32
+  using M = __m256;    // lane mask: all-ones lanes
   static constexpr int W = 8;
   static constexpr int kPvRows = 4;  // 4 rows x 2 vectors = 8 accumulators of 16 ymm
   static constexpr int kPvVecs = 2;
@@ -12,6 +14,7 @@ struct VecAvx2 {
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
@@ -26,6 +29,30 @@ struct VecAvx2 {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+  }
+
+  // Masks, selects and int32 lanes (online_softmax.h).
+  static M lt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static M eq(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  static V select(M m, V a, V b) { return _mm256_blendv_ps(b, a, m); }  // m ? a : b
+  static bool any(M m) { return _mm256_movemask_ps(m) != 0; }
+  static VI loadi(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static VI set1i(int32_t x) { return _mm256_set1_epi32(x); }
+  static VI iotai() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static VI addi(VI a, VI b) { return _mm256_add_epi32(a, b); }
+  static V cvti(VI a) { return _mm256_cvtepi32_ps(a); }
+  static M outside(VI lo, VI k, VI hi) {  // k < lo or k > hi
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_cmpgt_epi32(lo, k), _mm256_cmpgt_epi32(k, hi)));
+  }
+  static int32_t hmaxi(VI v) {
+    __m128i x = _mm_max_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_max_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    return _mm_cvtsi128_si32(_mm_max_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
+  }
+  static int32_t hmini(VI v) {
+    __m128i x = _mm_min_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_min_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    return _mm_cvtsi128_si32(_mm_min_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
   }
 
   // Lane i of the result = sum of a[i]'s lanes (see VecAvx512::reduce_lanes). Always

@@ -3,6 +3,8 @@
 
 struct VecAvx512 {
   using V = __m512;
+  using VI = __m512i;  // 16 x int32
+  using M = __mmask16;
   static constexpr int W = 16;
   static constexpr int kPvRows = 4;  // 4 rows x 4 vectors = 16 accumulators of 32 zmm
   static constexpr int kPvVecs = 4;
@@ -12,11 +14,28 @@ struct VecAvx512 {
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+
+  // Masks, selects and int32 lanes (online_softmax.h).
+  static M lt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static M eq(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static V select(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }  // m ? a : b
+  static bool any(M m) { return m != 0; }
+  static VI loadi(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static VI set1i(int32_t x) { return _mm512_set1_epi32(x); }
+  static VI iotai() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static VI addi(VI a, VI b) { return _mm512_add_epi32(a, b); }
+  static V cvti(VI a) { return _mm512_cvtepi32_ps(a); }
+  static M outside(VI lo, VI k, VI hi) {  // k < lo or k > hi
+    return _mm512_cmpgt_epi32_mask(lo, k) | _mm512_cmpgt_epi32_mask(k, hi);
+  }
+  static int32_t hmaxi(VI v) { return _mm512_reduce_max_epi32(v); }
+  static int32_t hmini(VI v) { return _mm512_reduce_min_epi32(v); }
 
   // Lane i of the result = sum of a[i]'s lanes (16 horizontal sums for ~45 instructions
   // instead of 16 separate reductions): pairwise unpack-add trees, then 128-bit shuffles.

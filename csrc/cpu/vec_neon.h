@@ -2,6 +2,8 @@
 
 struct VecNeon {
   using V = float32x4_t;
+  using VI = int32x4_t;
+  using M = uint32x4_t;  // lane mask: all-ones lanes
   static constexpr int W = 4;
   static constexpr int kPvRows = 4;  // 4 rows x 4 vectors = 16 accumulators of 32 q-regs
   static constexpr int kPvVecs = 4;
@@ -11,11 +13,29 @@ struct VecNeon {
   static void store(float* p, V v) { vst1q_f32(p, v); }
   static V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
   static V add(V a, V b) { return vaddq_f32(a, b); }
+  static V sub(V a, V b) { return vsubq_f32(a, b); }
   static V mul(V a, V b) { return vmulq_f32(a, b); }
   static V div(V a, V b) { return vdivq_f32(a, b); }
   static V max(V a, V b) { return vmaxq_f32(a, b); }
   static float hsum(V v) { return vaddvq_f32(v); }
   static float hmax(V v) { return vmaxvq_f32(v); }
+
+  // Masks, selects and int32 lanes (online_softmax.h).
+  static M lt(V a, V b) { return vcltq_f32(a, b); }
+  static M eq(V a, V b) { return vceqq_f32(a, b); }
+  static V select(M m, V a, V b) { return vbslq_f32(m, a, b); }  // m ? a : b
+  static bool any(M m) { return vmaxvq_u32(m) != 0; }
+  static VI loadi(const int32_t* p) { return vld1q_s32(p); }
+  static VI set1i(int32_t x) { return vdupq_n_s32(x); }
+  static VI iotai() {
+    static const int32_t kIota[4] = {0, 1, 2, 3};
+    return vld1q_s32(kIota);
+  }
+  static VI addi(VI a, VI b) { return vaddq_s32(a, b); }
+  static V cvti(VI a) { return vcvtq_f32_s32(a); }
+  static M outside(VI lo, VI k, VI hi) { return vorrq_u32(vcgtq_s32(lo, k), vcgtq_s32(k, hi)); }
+  static int32_t hmaxi(VI v) { return vmaxvq_s32(v); }
+  static int32_t hmini(VI v) { return vminvq_s32(v); }
   // Lane i of the result = sum of a[i]'s lanes.
   static V reduce_lanes(const V* a) {
     return vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3]));

@@ -7,6 +7,7 @@ struct VecPortable {
   typedef float V __attribute__((vector_size(16)));
   typedef int32_t VI __attribute__((vector_size(16)));
   typedef uint32_t VU __attribute__((vector_size(16)));
+  using M = VI;  // lane mask: -1 (true) or 0
   static constexpr int W = 4;
   static constexpr int kPvRows = 4;  // 4 rows x 2 vectors = 8 accumulators (16 xmm on SSE2)
   static constexpr int kPvVecs = 2;
@@ -16,12 +17,27 @@ struct VecPortable {
   static void store(float* p, V v) { std::memcpy(p, &v, sizeof(V)); }
   static V fma(V a, V b, V c) { return a * b + c; }
   static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
   static V mul(V a, V b) { return a * b; }
   static V div(V a, V b) { return a / b; }
   static V max(V a, V b) { return a > b ? a : b; }
   static float hsum(V v) { return (v[0] + v[2]) + (v[1] + v[3]); }
   static float hmax(V v) { return std::max(std::max(v[0], v[1]), std::max(v[2], v[3])); }
   static V reduce_lanes(const V* a) { return V{hsum(a[0]), hsum(a[1]), hsum(a[2]), hsum(a[3])}; }
+
+  // Masks, selects and int32 lanes (online_softmax.h).
+  static M lt(V a, V b) { return a < b; }
+  static M eq(V a, V b) { return a == b; }
+  static V select(M m, V a, V b) { return m ? a : b; }
+  static bool any(M m) { return (m[0] | m[1] | m[2] | m[3]) != 0; }
+  static VI loadi(const int32_t* p) { VI v; std::memcpy(&v, p, sizeof(VI)); return v; }
+  static VI set1i(int32_t x) { return VI{x, x, x, x}; }
+  static VI iotai() { return VI{0, 1, 2, 3}; }
+  static VI addi(VI a, VI b) { return a + b; }
+  static V cvti(VI a) { return __builtin_convertvector(a, V); }
+  static M outside(VI lo, VI k, VI hi) { return (lo > k) | (k > hi); }
+  static int32_t hmaxi(VI v) { return std::max(std::max(v[0], v[1]), std::max(v[2], v[3])); }
+  static int32_t hmini(VI v) { return std::min(std::min(v[0], v[1]), std::min(v[2], v[3])); }
 
   // Same polynomial as VecAvx512::exp; floor via truncate-and-fix (no rounding intrinsic).
   static V exp(V x) {

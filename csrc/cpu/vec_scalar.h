@@ -57,6 +57,8 @@ inline uint16_t float_to_fp16(float f) {
 
 struct VecScalar {
   using V = float;
+  using VI = int32_t;
+  using M = bool;
   static constexpr int W = 1;
   static constexpr int kPvRows = 4;  // register block of the P.V micro-kernel
   static constexpr int kPvVecs = 4;
@@ -66,12 +68,25 @@ struct VecScalar {
   static void store(float* p, V v) { *p = v; }
   static V fma(V a, V b, V c) { return a * b + c; }
   static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
   static V mul(V a, V b) { return a * b; }
   static V div(V a, V b) { return a / b; }
   static V max(V a, V b) { return a > b ? a : b; }
   static float hsum(V v) { return v; }
   static float hmax(V v) { return v; }
   static V reduce_lanes(const V* a) { return a[0]; }
+  static M lt(V a, V b) { return a < b; }
+  static M eq(V a, V b) { return a == b; }
+  static V select(M m, V a, V b) { return m ? a : b; }
+  static bool any(M m) { return m; }
+  static VI loadi(const int32_t* p) { return *p; }
+  static VI set1i(int32_t x) { return x; }
+  static VI iotai() { return 0; }
+  static VI addi(VI a, VI b) { return a + b; }
+  static V cvti(VI a) { return static_cast<float>(a); }
+  static M outside(VI lo, VI k, VI hi) { return lo > k || k > hi; }
+  static int32_t hmaxi(VI v) { return v; }
+  static int32_t hmini(VI v) { return v; }
   static V exp(V x) { return std::exp(x); }
   static V cvt_load(const float* p) { return *p; }
   static V cvt_load(const bf16_t* p) { return bf16_to_float(p->bits); }

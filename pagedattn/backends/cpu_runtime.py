@@ -24,6 +24,7 @@ import torch
 
 from pagedattn import ops
 from pagedattn.backend import AttentionType, is_quantized_kv_cache
+from pagedattn.checks import require_int
 from pagedattn.ops import kernel_shapes
 from pagedattn.ops.isa import IsaHint
 from pagedattn.ops.reference import FP8_CACHE_DTYPES
@@ -53,9 +54,7 @@ def window_pair(sliding_window: int | None, attn_type: str) -> tuple[int, int]:
     bidirectional encoder layers see ``window - 1`` keys on each side."""
     if sliding_window is None or sliding_window == -1:
         return (-1, -1)
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
-            or sliding_window <= 0:
-        raise ValueError(f"sliding_window must be a positive int, -1 or None, got {sliding_window!r}")
+    require_int("sliding_window", sliding_window, 1, expected="a positive int, -1 or None")
     left = sliding_window - 1
     return (left, left) if AttentionType.parse(attn_type) in _BIDIRECTIONAL else (left, 0)
 

@@ -16,6 +16,7 @@ import torch
 from pagedattn.bench import probes
 from pagedattn.bench.contenders import Contender, PagedattnContender, Prepared
 from pagedattn.bench.scenarios import Scenario, ScenarioInputs
+from pagedattn.checks import require_int
 
 
 @contextlib.contextmanager
@@ -33,9 +34,7 @@ class _PinnedContender(Contender):
     """A thread count (validated) and the scenarios a pinned contender runs on."""
 
     def __init__(self, threads: int, scenarios: set[str] | None = None):
-        if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-        self.threads = threads
+        self.threads = require_int("threads", threads, 1)
         self.scenarios = None if scenarios is None else set(scenarios)
 
     def unsupported_reason(self, scenario: Scenario) -> str | None:

@@ -24,14 +24,16 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from pagedattn.checks import is_int, require_int
 
+
+# vLLM's runner hands these types numpy integers as often as ints: both are accepted here.
 def _is_int(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+    return is_int(value, numpy=True)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    require_int(name, value, minimum, numpy=True)
 
 
 def _check_int_list(name: str, values: Any, minimum: int) -> None:
@@ -412,8 +414,8 @@ class ReorderableBatch:
     def swap_states(self, i: int, j: int) -> None:
         n = self.num_reqs
         for name, idx in (("i", i), ("j", j)):
-            if isinstance(idx, bool) or not isinstance(idx, (int, np.integer)) or not 0 <= idx < n:
-                raise ValueError(f"swap index {name} must be in [0, {n}), got {idx!r}")
+            require_int(f"swap index {name}", idx, 0, maximum=n - 1, numpy=True,
+                        expected=f"in [0, {n})")
         if i == j:
             return
         ids = self.req_ids

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from pagedattn.checks import is_int, require_int
 from pagedattn.ops import reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,7 +35,7 @@ def parse_dtype(dtype: str | torch.dtype, name: str = "dtype") -> torch.dtype:
 
 def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
     """A positive byte count from an int or a string such as ``"512MiB"`` / ``"2GiB"``."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+    if is_int(value) and value > 0:
         return value
     if isinstance(value, str):
         for unit, scale in _UNITS.items():
@@ -48,13 +49,6 @@ def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
                 break
     raise ValueError(f"{name} must be a positive number of bytes or a string like "
                      f"'512MiB' / '2GiB', got {value!r}")
-
-
-def require_int(name: str, value, minimum: int = 1) -> int:
-    """``value`` as an int ``>= minimum`` (bools are not ints here), else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def native_half_matmul() -> bool:
@@ -140,10 +134,10 @@ class EngineArgs:
         set_("linear_dtype", self._resolve_linear_dtype())
         set_("kv_cache_memory", parse_bytes(self.kv_cache_memory))
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            require_int(name, getattr(self, name))
-        require_int("seed", self.seed, minimum=0)
+            require_int(name, getattr(self, name), 1)
+        require_int("seed", self.seed, 0)
         if self.max_model_len is not None:
-            require_int("max_model_len", self.max_model_len)
+            require_int("max_model_len", self.max_model_len, 1)
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
 

@@ -18,6 +18,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from pagedattn.checks import require_int
 from pagedattn.engine.request import Request
 from pagedattn.paging import cdiv
 
@@ -37,8 +38,7 @@ class BlockPool:
     """``num_blocks`` blocks with reference counts and a prefix-cache index."""
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        require_int("num_blocks", num_blocks, 1)
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from pagedattn.checks import is_int
 from pagedattn.engine.args import DTYPES, LINEAR_IMPLS, EngineArgs  # noqa: F401 (re-exported)
 from pagedattn.engine.embedder import Embedder
 from pagedattn.engine.llm_engine import LLMEngine, StepStats
@@ -160,8 +161,7 @@ class LLM:
                 raise ValueError("text prompts need a tokenizer (the LLM was built with "
                                  "skip_tokenizer_init=True): pass token-id lists")
             return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, (list, tuple)) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedattn.checks import require_int, require_number
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,10 +42,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {value!r}")
-            return float(value)
+            return require_number(name, getattr(self, name))
 
         if number("temperature") < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
@@ -52,17 +51,12 @@ class SamplingParams:
         if number("repetition_penalty") <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         for name, low in (("top_k", -1), ("max_tokens", 1), ("min_tokens", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+            require_int(name, getattr(self, name), low)
+        require_int("seed", self.seed, allow_none=True, error=TypeError, expected="an int or None")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool)
-                                          or not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        require_int("logprobs", self.logprobs, 0, allow_none=True)
         if not isinstance(self.skip_special_tokens, bool):
             raise TypeError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

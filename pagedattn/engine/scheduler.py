@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedattn.checks import require_int
 from pagedattn.engine.block_pool import KVCacheManager
 from pagedattn.engine.request import FinishReason, Request, RequestStatus
 
@@ -40,8 +41,7 @@ class Scheduler:
                  max_num_seqs: int = 256) -> None:
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            require_int(name, value, 1)
         if kv.capacity_tokens < max_model_len:
             raise ValueError(
                 f"the KV cache pool holds {kv.capacity_tokens} tokens "

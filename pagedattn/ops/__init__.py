@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from pagedattn.checks import is_int
 from pagedattn.ops import _native, kernel_shapes
 from pagedattn.ops._native import metadata_numel
 from pagedattn.ops.reference import LINEAR_PANEL
@@ -290,7 +291,7 @@ def _int64(name: str, value) -> int:
 
 def _window_pair(sliding_window: Sequence[int]) -> tuple[int, int]:
     if (not isinstance(sliding_window, (tuple, list)) or len(sliding_window) != 2
-            or not all(isinstance(w, int) and -1 <= w <= _INT64_MAX for w in sliding_window)):
+            or not all(is_int(w) and -1 <= w <= _INT64_MAX for w in sliding_window)):
         raise ValueError(
             f"sliding_window must be a (left, right) pair of ints in [-1, 2**63 - 1] "
             f"(-1 = unbounded), got {sliding_window!r}"

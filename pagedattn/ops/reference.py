@@ -27,6 +27,8 @@ from typing import Literal
 
 import torch
 
+from pagedattn.checks import is_number
+
 from pagedattn import paging
 
 Layout = Literal["cpu", "flash"]
@@ -49,7 +51,7 @@ def kv_scale_value(scale: "torch.Tensor | float", name: str) -> float:
             raise ValueError(f"{name} must be a float or a 1-element tensor, got shape "
                              f"{tuple(scale.shape)}")
         scale = scale.item()
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not is_number(scale):
         raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(scale).__name__}")
     scale = float(scale)
     if not (scale > 0 and scale != float("inf")):

@@ -31,6 +31,7 @@ __all__ = ["reshape_and_cache_flash", "unified_attention", "launch_problem",
            "triton_import_problem", "FP8_CACHE_DTYPES", "KernelLaunch",
            "plan_reshape_and_cache_flash", "plan_unified_attention"]
 
+from pagedattn.checks import is_int, is_number, require_int  # noqa: E402
 from pagedattn.ops.reference import FP8_CACHE_DTYPES  # noqa: E402 (kv_cache_dtype -> fp8 dtype)
 
 KV_CACHE_DTYPES = ("auto", *FP8_CACHE_DTYPES)
@@ -118,7 +119,7 @@ def _scale_tensor(name: str, scale: torch.Tensor | float, device: torch.device) 
         if scale.numel() != 1:
             raise ValueError(f"{name} must hold one value, got shape {tuple(scale.shape)}")
         return scale.reshape(1).to(device=device, dtype=torch.float32)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not is_number(scale):
         raise TypeError(f"{name} must be a float or a one-element tensor, got {scale!r}")
     return torch.tensor([float(scale)], dtype=torch.float32, device=device)
 
@@ -399,13 +400,10 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table must have at least num_reqs={num_reqs} rows, got "
                          f"shape {tuple(block_table.shape)}")
-    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-        raise ValueError(f"max_seqlen_q must be an int >= 0, got {max_seqlen_q!r}")
-    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
-        raise ValueError(f"max_seqlen_k must be an int >= 0, got {max_seqlen_k!r}")
+    require_int("max_seqlen_q", max_seqlen_q, 0)
+    require_int("max_seqlen_k", max_seqlen_k, 0)
     window = tuple(window_size)
-    if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, int) or w < -1
-                               for w in window):
+    if len(window) != 2 or any(not is_int(w) or w < -1 for w in window):
         raise ValueError(f"window_size must be (left, right) ints >= -1, got {window_size!r}")
     softcap = float(softcap or 0.0)
     if softcap < 0:
