@@ -36,6 +36,7 @@ from pagedattn.backend import (
 )
 from pagedattn.backends import cpu_runtime, cpu_sdpa_prefill
 from pagedattn.backends.cpu_sdpa_prefill import SdpaSeq, SdpaSplit
+from pagedattn.checks import require_int
 from pagedattn.config import BuilderConfig, CacheDType
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
 from pagedattn.ops import kernel_shapes
@@ -175,10 +176,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if sdpa_prefill_min_query_len is not None:
-            if isinstance(sdpa_prefill_min_query_len, bool) or not isinstance(
-                    sdpa_prefill_min_query_len, int) or sdpa_prefill_min_query_len < 2:
-                raise ValueError("sdpa_prefill_min_query_len must be an int >= 2 or None, "
-                                 f"got {sdpa_prefill_min_query_len!r}")
+            require_int("sdpa_prefill_min_query_len", sdpa_prefill_min_query_len, 2)
         elif use_sdpa_prefill:
             sdpa_prefill_min_query_len = 2
         self.sdpa_prefill_min_query_len = sdpa_prefill_min_query_len
