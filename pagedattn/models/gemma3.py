@@ -25,7 +25,7 @@ from torch import nn
 
 from pagedattn import ops
 from pagedattn.models.layers import PagedAttention, RotaryEmbedding, native_fp32
-from pagedattn.models.loader import WeightCopier
+from pagedattn.models.loader import WeightCopier, fused_projections
 
 GEMMA3_MODEL_TYPES = ("gemma3_text",)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -283,11 +283,8 @@ class Gemma3ForCausalLM(nn.Module):
         ...), fusing q/k/v and gate/up; every parameter must be set exactly once."""
         cfg = self.config
         copier = WeightCopier(self, cfg.model_type)
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
-                 "v_proj": ("qkv_proj", q + kv, kv),
-                 "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-                 "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size)}
+        fused = fused_projections(cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                                  cfg.intermediate_size)
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.models.loader import WeightCopier
+from pagedattn.models.loader import WeightCopier, fused_projections
 from pagedattn.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
 
 DECODER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -141,11 +141,8 @@ class LlamaForCausalLM(nn.Module):
         must be set exactly once (a missing one raises naming it)."""
         cfg = self.config
         copier = WeightCopier(self, cfg.model_type)
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
-                 "v_proj": ("qkv_proj", q + kv, kv),
-                 "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-                 "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size)}
+        fused = fused_projections(cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                                  cfg.intermediate_size)
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):

@@ -342,6 +342,16 @@ def load_tokenizer(checkpoint: Checkpoint):
     return tokenizer
 
 
+def fused_projections(q_size: int, kv_size: int, intermediate_size: int
+                      ) -> dict[str, tuple[str, int, int]]:
+    """Where each Hugging Face projection lands in the fused modules: ``name -> (fused
+    module, row offset, rows)`` for q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``)."""
+    return {"q_proj": ("qkv_proj", 0, q_size), "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, intermediate_size),
+            "up_proj": ("gate_up_proj", intermediate_size, intermediate_size)}
+
+
 class WeightCopier:
     """Copies checkpoint tensors into a model's parameters, whole or into a row slice
     (one part of a fused projection), and checks at the end that every expected piece
