@@ -79,6 +79,30 @@ MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}
 HF_DIR_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
 
 
+def weight_bytes_per_token(llm: LLM) -> int:
+    """Bytes of linear-layer weights one decode token reads (every layer once, the output
+    head included; each layer's weights in the form its 1-row path reads)."""
+    total = 0
+    for module in llm.model.modules():
+        for name in ("packed_weight", "dp_weight", "weight"):
+            w = getattr(module, name, None) if hasattr(module, "out_features") else None
+            if isinstance(w, torch.Tensor):
+                total += w.numel() * w.element_size()
+                break
+    return total
+
+
+def weight_streaming_fraction(llm: LLM, decode_tok_s: float) -> tuple[float, float, int]:
+    """``(fraction, DRAM GB/s, bytes per token)``: how close W1's decode runs to the
+    weight-streaming limit, the DRAM probe of ``pagedattn bench`` (torch.sum over fresh
+    256 MiB slices rotating through more than the LLC) over the bytes per token."""
+    from pagedattn.bench.probes import llc_bytes, measure_bandwidth
+
+    gbs = measure_bandwidth(256 << 20, llc_bytes())
+    nbytes = weight_bytes_per_token(llm)
+    return decode_tok_s * nbytes / (gbs * 1e9), gbs, nbytes
+
+
 def export_hf_dir(model: str, path: str) -> str:
     """A Hugging Face copy of the model's GGUF (for vLLM, which reads no GGUF), converted
     once under ``path`` by the vLLM plugin's converter (fp32 safetensors)."""
@@ -152,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = llm.linear_plan
         peer_info["pagedattn"] = {
             "dtype": args.dtype, "linear_impl": llm.linear_impl,
-            "linear_activations": str(llm.args.linear_dtype).split(".")[-1],
+            "linear_activations": str(llm.act_dtype).split(".")[-1],
             "linear_paths": plan.to_json() if plan is not None else None}
         shares = attention_share(llm, loads)
     if "transformers" in peers:
@@ -194,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                   + " | ".join(f"{r:.2f}" for r in ratios) + " |")
         print(f"\nattention share of pagedattn's step time: W1 {shares['W1']:.0%}, "
               f"W3 {shares['W3']:.0%}")
+        w1_decode = next(c for c in COLUMNS if c.startswith("W1 decode"))
+        fraction, gbs, nbytes = weight_streaming_fraction(llm, ours[w1_decode])
+        peer_info["pagedattn"]["weight_streaming"] = {"fraction": fraction, "dram_gb_s": gbs,
+                                                      "weight_bytes_per_token": nbytes}
+        print(f"W1 decode at {fraction:.2f} of the weight-streaming limit ({nbytes / 1e6:.0f} MB "
+              f"of weights per token, DRAM probe {gbs:.1f} GB/s)")
     for peer, why in skipped.items():
         print(f"skipped {peer}: {why}")
     print("\npeer dtypes: " + ", ".join(f"{p} {i['dtype']}" for p, i in peer_info.items()))

@@ -89,9 +89,97 @@ def test_rotary_embedding_on_fused_qkv_views(isa, head_dim, tokens):
     assert torch.equal(qkv, expected)  # same products and sums, no fused multiply-add
 
 
+# ------------------------------------------------------------------ bf16 activations
+# A bf16 model's layers keep an fp32 residual stream and pass bf16 between the ops: each op
+# widens, computes in fp32 and rounds once. Bound against float64: the fp32 bound above plus
+# one rounding to bf16 (8 significant bits: unit roundoff 2^-8 relative).
+BF16_RTOL = 2.0 ** -8 + 1e-5
+
+
+def assert_rounded_once(out: torch.Tensor, exact: torch.Tensor, atol: float = 1e-30) -> None:
+    """``out`` (bf16) is ``exact`` (float64) rounded once, up to the fp32 arithmetic."""
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - exact).abs()
+    bound = BF16_RTOL * exact.abs() + atol
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+def f64_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("d", WIDTHS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("x_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32)],
+                         ids=["bf16-bf16", "f32-bf16", "bf16-f32"])
+def test_rms_norm_bf16(isa, d, rows, x_dtype, out_dtype):
+    x = rows_tensor(rows, d, d + rows).to(x_dtype)
+    w = rows_tensor(1, d, 7)[0]
+    out = ops.rms_norm(x, w, 1e-5, out_dtype)
+    exact = f64_rms_norm(x, w, 1e-5)
+    if out_dtype == torch.bfloat16:
+        assert_rounded_once(out, exact, atol=1e-6)
+    else:
+        torch.testing.assert_close(out, exact.float(), rtol=NORM_RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("d", WIDTHS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_fused_add_rms_norm_bf16_into_fp32_residual(isa, d, rows):
+    x = rows_tensor(rows, d, 1).bfloat16()
+    res, w = rows_tensor(rows, d, 2), rows_tensor(1, d, 3)[0]
+    expected_res = res + x.float()  # one fp32 rounding, as in the kernel
+    out = ops.fused_add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(res, expected_res)
+    assert_rounded_once(out, f64_rms_norm(expected_res, w, 1e-6), atol=1e-6)
+
+
+@pytest.mark.parametrize("d", WIDTHS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul_bf16(isa, d, rows):
+    x = (rows_tensor(rows, 2 * d, d) * 8).bfloat16()
+    h = x.double()
+    exact = torch.nn.functional.silu(h[:, :d]) * h[:, d:]
+    # the vector exp's few fp32 ulps are far inside the bf16 rounding's margin
+    assert_rounded_once(ops.silu_and_mul(x), exact, atol=1e-30)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_rotary_embedding_bf16_is_the_fp32_rotation_rounded(isa, head_dim, tokens):
+    gen = torch.Generator().manual_seed(head_dim + tokens)
+    q = torch.randn(tokens, 3, head_dim, generator=gen).bfloat16()
+    k = torch.randn(tokens, 1, head_dim, generator=gen).bfloat16()
+    angles = torch.rand(50, head_dim // 2, generator=gen) * 50
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    positions = torch.randint(0, 50, (tokens,), generator=gen)
+    q_ref, k_ref = q.float(), k.float()
+    reference.rotary_embedding(positions, q_ref, k_ref, cos_sin)
+    ops.rotary_embedding(positions, q, k, cos_sin)
+    assert torch.equal(q, q_ref.bfloat16()) and torch.equal(k, k_ref.bfloat16())
+
+
+def test_layer_ops_bf16_trace_with_their_fakes():
+    x, res, w = torch.randn(3, 8).bfloat16(), torch.randn(3, 8), torch.randn(8)
+    torch.library.opcheck(torch.ops.pagedattn.rms_norm, (x, w, 1e-5, torch.float32))
+    torch.library.opcheck(torch.ops.pagedattn.fused_add_rms_norm, (x, res, w, 1e-5))
+    torch.library.opcheck(torch.ops.pagedattn.silu_and_mul, (x,))
+
+
 @pytest.mark.parametrize("op, args, exc, match", [
-    ("rms_norm", lambda: (torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(4), 1e-5),
-     TypeError, "x must be float32"),
+    ("rms_norm", lambda: (torch.zeros(2, 4, dtype=torch.float16), torch.ones(4), 1e-5),
+     TypeError, "x must be float32 or bfloat16, got Half"),
+    ("rms_norm", lambda: (torch.zeros(2, 4), torch.ones(4), 1e-5, torch.float16),
+     TypeError, "out_dtype must be float32 or bfloat16, got Half"),
+    ("fused_add_rms_norm", lambda: (torch.zeros(2, 4, dtype=torch.bfloat16),
+                                    torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(4), 1e-5),
+     TypeError, "residual must be float32, got BFloat16"),
+    ("rotary_embedding", lambda: (torch.tensor([0]), torch.zeros(1, 1, 8, dtype=torch.bfloat16),
+                                  torch.zeros(1, 1, 8), torch.zeros(9, 8)),
+     TypeError, "key dtype Float must equal query dtype BFloat16"),
     ("rms_norm", lambda: (torch.zeros(2, 4), torch.ones(5), 1e-5), ValueError, r"weight must be \[4\]"),
     ("rms_norm", lambda: (torch.zeros(2, 4), torch.ones(4), -1.0), ValueError, "eps must be"),
     ("rms_norm", lambda: (torch.zeros(4, 2).T, torch.ones(4), 1e-5), ValueError,

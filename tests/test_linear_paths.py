@@ -60,28 +60,66 @@ def require(path: LinearPath, weight_dtype: torch.dtype) -> None:
 SHAPES = [(50, 33), (37, 64), (200, 576)]
 
 
+def bf16_activation_bound(path: LinearPath, x, w, expected, out_dtype):
+    """Worst case of ``|out - x @ w.T - bias|`` for bf16 activations (exact in every path:
+    bf16 operands widen exactly): an fp32 sum of ``k`` products, the GEMM output's bf16
+    rounding on the oneDNN/torch paths (before the fp32 bias add), and the final rounding
+    to ``out_dtype``."""
+    k = x.shape[1]
+    mags = x.double().abs() @ w.double().abs().T
+    acc = (k + 1) * U32 * mags
+    if path in (LinearPath.TORCH, LinearPath.ONEDNN):
+        acc = acc + HALF_U[torch.bfloat16] * (mags + acc)
+    u_out = HALF_U[torch.bfloat16] if out_dtype == torch.bfloat16 else U32
+    return acc + u_out * (expected.abs() + acc) + U32 * (expected.abs() + acc) + 1e-30
+
+
+# (weights, activations, output): fp32 activations under every weight dtype; bf16
+# activations (the layers of a bf16 model on a CPU with a native bf16 GEMM), and bf16
+# activations with fp32 logits (its lm_head)
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+DTYPES = [(F32, F32, F32), (BF16, F32, F32), (F16, F32, F32), (BF16, BF16, BF16),
+          (BF16, BF16, F32)]
+
+
 @needs_native
 @pytest.mark.parametrize("path", list(LinearPath), ids=lambda p: p.value)
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtypes", DTYPES,
+                         ids=lambda d: "w{}-act{}-out{}".format(*(str(t)[-4:] for t in d)))
 @pytest.mark.parametrize("rows", [1, 7, 32, 257])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}k{}".format(*s))
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_forced_path_matches_float64(isa, path, weight_dtype, rows, shape, with_bias):
+def test_forced_path_matches_float64(isa, path, dtypes, rows, shape, with_bias):
+    weight_dtype, act_dtype, out_dtype = dtypes
     require(path, weight_dtype)
     n, k = shape
     linear = make_layer(n, k, with_bias, seed=n + k + rows)
-    layer = MeasuredLinear(linear, weight_dtype, [path])
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    layer = MeasuredLinear(linear, weight_dtype, [path], act_dtype, out_dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(act_dtype)
     out = layer(x)
-    assert out.shape == (rows, n) and out.dtype == torch.float32
+    assert out.shape == (rows, n) and out.dtype == out_dtype
     w = linear.weight.detach().to(weight_dtype).double()
     expected = x.double() @ w.T
     if with_bias:
         expected += linear.bias.detach().double()
-    bound = error_bound(path, x, w, weight_dtype, expected, with_bias)
+    if act_dtype == torch.float32:
+        bound = error_bound(path, x, w, weight_dtype, expected, with_bias)
+    else:
+        bound = bf16_activation_bound(path, x, w, expected, out_dtype)
     err = (out.double() - expected).abs()
     assert (err <= bound).all(), float((err - bound).max())
+
+
+@needs_native
+def test_measured_linear_casts_other_activations_and_rejects_bad_dtypes():
+    linear = make_layer(40, 24, True)
+    layer = MeasuredLinear(linear, torch.bfloat16, [LinearPath.PACKED], torch.bfloat16)
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(layer(x), layer(x.bfloat16()), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="act_dtype must be float32, or bfloat16 with bfloat16"):
+        MeasuredLinear(linear, torch.float32, [LinearPath.PACKED], torch.bfloat16)
+    with pytest.raises(ValueError, match="act_dtype must be"):
+        MeasuredLinear(linear, torch.float16, [LinearPath.PACKED], torch.float16)
 
 
 @needs_native
@@ -139,7 +177,8 @@ def test_pack_dpbf16_rejects(weight, exc, match):
 
 @needs_dpbf16
 @pytest.mark.parametrize("case, exc, match", [
-    ("x_bf16", TypeError, "x must be float32"),
+    ("x_fp16", TypeError, "x must be float32 or bfloat16, got Half"),
+    ("out_fp16", TypeError, "out_dtype must be float32 or bfloat16, got Half"),
     ("x_3d", ValueError, r"x must be 2-D"),
     ("k_mismatch", ValueError, "x has 10 features but packed_weight has 4 pairs"),
     ("n_mismatch", ValueError, "out_features 40 does not match packed_weight's 2 panels"),
@@ -153,10 +192,12 @@ def test_pack_dpbf16_rejects(weight, exc, match):
     ("isa_without_bf16_dot", NotImplementedError, "needs the avx512bf16 kernels"),
 ])
 def test_packed_linear_dpbf16_rejects(case, exc, match):
-    x, n, bias = torch.randn(3, 8), 20, None
+    x, n, bias, out_dtype = torch.randn(3, 8), 20, None, None
     packed = ops.pack_linear_weight_dpbf16(torch.randn(20, 8))
-    if case == "x_bf16":
-        x = x.bfloat16()
+    if case == "x_fp16":
+        x = x.half()
+    elif case == "out_fp16":
+        out_dtype = torch.float16
     elif case == "x_3d":
         x = x.view(3, 2, 4)
     elif case == "k_mismatch":
@@ -180,7 +221,7 @@ def test_packed_linear_dpbf16_rejects(case, exc, match):
             with ops.use_cpu_isa("avx512"):
                 ops.packed_linear_dpbf16(x, packed, bias, n)
         else:
-            ops.packed_linear_dpbf16(x, packed, bias, n)
+            ops.packed_linear_dpbf16(x, packed, bias, n, out_dtype)
 
 
 @needs_dpbf16
@@ -189,6 +230,15 @@ def test_packed_linear_dpbf16_opcheck_and_edges():
     packed = ops.pack_linear_weight_dpbf16(w)
     for bias in (None, torch.randn(40)):
         torch.library.opcheck(torch.ops.pagedattn.packed_linear_dpbf16, (x, packed, bias, 40))
+        torch.library.opcheck(torch.ops.pagedattn.packed_linear_dpbf16,
+                              (x.bfloat16(), packed, bias, 40, torch.bfloat16))
+    # bf16 activations are the fp32 path's own rounding of x; a bf16 output is its sums
+    # rounded once
+    torch.testing.assert_close(ops.packed_linear_dpbf16(x.bfloat16(), packed, None, 40),
+                               ops.packed_linear_dpbf16(x, packed, None, 40), rtol=0, atol=0)
+    torch.testing.assert_close(
+        ops.packed_linear_dpbf16(x, packed, None, 40, torch.bfloat16),
+        ops.packed_linear_dpbf16(x, packed, None, 40).bfloat16(), rtol=0, atol=0)
     assert ops.packed_linear_dpbf16(torch.empty(0, 23), packed, None, 40).shape == (0, 40)
     strided = torch.randn(23, 5).T  # last dim strided: copied first
     torch.testing.assert_close(ops.packed_linear_dpbf16(strided, packed, None, 40),

@@ -118,27 +118,32 @@ struct LinearParams {
 // (W[c, 2i], W[c, 2i + 1]) for the panel's 16 columns c, the operand layout of vdpbf16ps.
 // An odd k is padded with a zero weight and a zero activation.
 struct LinearDpParams {
-  const float* x;          // [m, k], row stride x_stride, contiguous rows
+  const void* x;           // [m, k] of x_dtype, row stride x_stride, contiguous rows
   int64_t x_stride;
   const bf16_t* weight;    // [ceil(n / 16), k_pairs, 32] (padding columns zero)
   const float* bias;       // [n] or nullptr
-  float* out;              // [m, n], row stride out_stride
+  void* out;               // [m, n] of out_dtype, row stride out_stride
   int64_t out_stride;
   int64_t m, n, k, k_pairs;
+  DType x_dtype = DType::kF32;    // kF32 (rounded by the kernel) or kBF16 (taken as is)
+  DType out_dtype = DType::kF32;  // kF32, or kBF16 (the fp32 sums rounded, nearest even)
 };
 
-// RMSNorm rows (layer_kernel_impl.h), fp32, last dims contiguous; with residual != nullptr
-// each row first does residual += x and normalises the sum.
+// RMSNorm rows (layer_kernel_impl.h), last dims contiguous, computed in fp32; x and out
+// are fp32 or bf16 each. With residual != nullptr (fp32) each row first does
+// residual += x and normalises the sum.
 struct NormParams {
-  const float* x;
+  const void* x;
   int64_t x_stride;
   float* residual;  // nullptr or [rows, d] updated in place
   int64_t residual_stride;
   const float* weight;  // [d]
   float eps;
-  float* out;
+  void* out;
   int64_t out_stride;
   int64_t d;
+  DType x_dtype = DType::kF32;    // kF32 or kBF16
+  DType out_dtype = DType::kF32;  // kF32 or kBF16
 };
 
 struct KernelTable {
@@ -158,9 +163,10 @@ struct KernelTable {
   void (*linear_dpbf16_block)(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
                               int64_t p_begin, int64_t p_end, bf16_t* x_bf16) = nullptr;
   void (*rms_norm_rows)(const NormParams& p, int64_t row_begin, int64_t row_end) = nullptr;
-  // out[r, i] = silu(x[r, i]) * x[r, d + i] for rows [row_begin, row_end).
-  void (*silu_mul_rows)(const float* x, int64_t x_stride, float* out, int64_t out_stride,
-                        int64_t row_begin, int64_t row_end, int64_t d) = nullptr;
+  // out[r, i] = silu(x[r, i]) * x[r, d + i] for rows [row_begin, row_end); x and out
+  // both of `dtype` (kF32 or kBF16), computed in fp32.
+  void (*silu_mul_rows)(const void* x, int64_t x_stride, void* out, int64_t out_stride,
+                        int64_t row_begin, int64_t row_end, int64_t d, DType dtype) = nullptr;
 };
 
 // Scratch each thread needs for items of up to `max_rows` rows (same formula in every ISA).

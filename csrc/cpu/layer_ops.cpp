@@ -1,4 +1,5 @@
-// A transformer layer's elementwise steps as single ops (fp32 activations): rms_norm,
+// A transformer layer's elementwise steps as single ops (fp32 or bf16 activations, fp32
+// arithmetic, an fp32 residual stream): rms_norm,
 // fused_add_rms_norm, silu_and_mul (vectorised row kernels, layer_kernel_impl.h) and the
 // rotate-half rotary embedding, in place. Validation here, unchecked loops below it.
 #include <ATen/MemoryOverlap.h>
@@ -16,9 +17,14 @@ namespace {
 // Rows per parallel chunk, so a decode step's few rows stay on the calling thread.
 constexpr int64_t kRowGrain = 16;
 
-void check_f32_rows(const at::Tensor& t, const char* name) {
+DType activation_dtype(at::ScalarType t, const char* name) {
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16, name,
+                   " must be float32 or bfloat16, got ", t);
+  return t == at::kFloat ? DType::kF32 : DType::kBF16;
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
   check_cpu(t, name);
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D [num_tokens, hidden], got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.size(1) <= 1 || t.stride(1) == 1, name,
                     " last dim must be contiguous, got strides ", t.strides());
@@ -35,11 +41,13 @@ void check_norm_weight(const at::Tensor& weight, int64_t d, double eps) {
 }
 
 at::Tensor run_norm(const at::Tensor& x, float* residual, int64_t residual_stride,
-                    const at::Tensor& weight, double eps) {
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const NormParams p{x.data_ptr<float>(), x.stride(0), residual, residual_stride,
-                     weight.data_ptr<float>(), static_cast<float>(eps), out.data_ptr<float>(),
-                     out.size(1), x.size(1)};
+                    const at::Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
+  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
+  const DType o_dtype = activation_dtype(out_type, "out_dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_type));
+  const NormParams p{x.data_ptr(), x.stride(0), residual, residual_stride,
+                     weight.data_ptr<float>(), static_cast<float>(eps), out.data_ptr(),
+                     out.size(1), x.size(1), activation_dtype(x.scalar_type(), "x"), o_dtype};
   const KernelTable* kt = current_kernels();
   at::parallel_for(0, x.size(0), kRowGrain,
                    [&](int64_t b, int64_t e) { kt->rms_norm_rows(p, b, e); });
@@ -47,35 +55,41 @@ at::Tensor run_norm(const at::Tensor& x, float* residual, int64_t residual_strid
 }
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_f32_rows(x, "x");
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    std::optional<at::ScalarType> out_dtype) {
+  check_rows(x, "x");
+  activation_dtype(x.scalar_type(), "x");
   check_norm_weight(weight, x.size(1), eps);
-  return run_norm(x, nullptr, 0, weight, eps);
+  return run_norm(x, nullptr, 0, weight, eps, out_dtype);
 }
 
 at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
-                              double eps) {
-  check_f32_rows(x, "x");
-  check_f32_rows(residual, "residual");
+                              double eps, std::optional<at::ScalarType> out_dtype) {
+  check_rows(x, "x");
+  activation_dtype(x.scalar_type(), "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK_TYPE(residual.scalar_type() == at::kFloat, "residual must be float32, got ",
+                   residual.scalar_type());
   TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual shape ", residual.sizes(),
                     " must equal x shape ", x.sizes());
   TORCH_CHECK_VALUE(x.numel() == 0 || at::has_internal_overlap(residual) != at::MemOverlap::Yes,
                     "residual must not overlap itself (it is updated in place)");
   check_norm_weight(weight, x.size(1), eps);
-  return run_norm(x, residual.data_ptr<float>(), residual.stride(0), weight, eps);
+  return run_norm(x, residual.data_ptr<float>(), residual.stride(0), weight, eps, out_dtype);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_f32_rows(x, "x");
+  check_rows(x, "x");
+  const DType dtype = activation_dtype(x.scalar_type(), "x");
   TORCH_CHECK_VALUE(x.size(1) % 2 == 0, "x must have an even last dim [num_tokens, 2 * d], got ",
                     x.size(1));
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   at::Tensor out = at::empty({rows, d}, x.options());
   const KernelTable* kt = current_kernels();
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const void* xp = x.data_ptr();
+  void* op = out.data_ptr();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-    kt->silu_mul_rows(xp, x.stride(0), op, d, b, e, d);
+    kt->silu_mul_rows(xp, x.stride(0), op, d, b, e, d, dtype);
   });
   return out;
 }
@@ -83,7 +97,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 namespace {
 void check_rotary_input(const at::Tensor& t, const char* name, int64_t tokens, int64_t head_size) {
   check_cpu(t, name);
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  activation_dtype(t.scalar_type(), name);
   TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_size, name,
                     " must be [", tokens, ", num_heads, ", head_size, "], got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.stride(2) == 1, name, " last dim must be contiguous, got strides ",
@@ -93,18 +107,35 @@ void check_rotary_input(const at::Tensor& t, const char* name, int64_t tokens, i
 }
 
 // x[i], x[i + half] <- x[i] cos - x[i + half] sin, x[i + half] cos + x[i] sin: Hugging
-// Face's x * cos + rotate_half(x) * sin, term for term (no fused multiply-add here).
-void rotate_heads(float* x, int64_t heads, int64_t head_stride, const float* cos,
+// Face's x * cos + rotate_half(x) * sin, term for term (no fused multiply-add here), in
+// fp32 (a bf16 x is widened, rotated, and rounded once to nearest even).
+template <class T>
+void rotate_heads(T* x, int64_t heads, int64_t head_stride, const float* cos,
                   const float* sin, int64_t half) {
   for (int64_t h = 0; h < heads; ++h) {
-    float* a = x + h * head_stride;
-    float* b = a + half;
+    T* a = x + h * head_stride;
+    T* b = a + half;
     for (int64_t i = 0; i < half; ++i) {
-      const float x1 = a[i], x2 = b[i];
-      a[i] = x1 * cos[i] + (-x2) * sin[i];
-      b[i] = x2 * cos[i] + x1 * sin[i];
+      const float x1 = static_cast<float>(a[i]), x2 = static_cast<float>(b[i]);
+      a[i] = static_cast<T>(x1 * cos[i] + (-x2) * sin[i]);
+      b[i] = static_cast<T>(x2 * cos[i] + x1 * sin[i]);
     }
   }
+}
+
+template <class T>
+void rotate_tokens(const int64_t* pos, at::Tensor& query, at::Tensor& key, const float* table,
+                   int64_t head_size) {
+  const int64_t half = head_size / 2;
+  T* q = query.data_ptr<T>();
+  T* k = key.data_ptr<T>();
+  at::parallel_for(0, query.size(0), kRowGrain, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* cos = table + pos[t] * head_size;
+      rotate_heads(q + t * query.stride(0), query.size(1), query.stride(1), cos, cos + half, half);
+      rotate_heads(k + t * key.stride(0), key.size(1), key.stride(1), cos, cos + half, half);
+    }
+  });
 }
 }  // namespace
 
@@ -119,7 +150,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
                     "cos_sin_cache must be contiguous [max_positions, head_size] (cos then sin "
                     "halves), got shape ", cos_sin_cache.sizes());
   const int64_t tokens = positions.size(0), head_size = cos_sin_cache.size(1);
-  const int64_t max_pos = cos_sin_cache.size(0), half = head_size / 2;
+  const int64_t max_pos = cos_sin_cache.size(0);
   check_rotary_input(query, "query", tokens, head_size);
   check_rotary_input(key, "key", tokens, head_size);
   const at::Tensor pos_c = positions.contiguous();
@@ -127,23 +158,21 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_pos, "positions[", t, "] (", pos[t],
                       ") is outside the cos_sin_cache's [0, ", max_pos, ")");
-  float* q = query.data_ptr<float>();
-  float* k = key.data_ptr<float>();
+  TORCH_CHECK_TYPE(key.scalar_type() == query.scalar_type(), "key dtype ", key.scalar_type(),
+                   " must equal query dtype ", query.scalar_type());
   const float* table = cos_sin_cache.data_ptr<float>();
-  at::parallel_for(0, tokens, kRowGrain, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* cos = table + pos[t] * head_size;
-      rotate_heads(q + t * query.stride(0), query.size(1), query.stride(1), cos, cos + half, half);
-      rotate_heads(k + t * key.stride(0), key.size(1), key.stride(1), cos, cos + half, half);
-    }
-  });
+  if (query.scalar_type() == at::kBFloat16)
+    rotate_tokens<at::BFloat16>(pos, query, key, table, head_size);
+  else
+    rotate_tokens<float>(pos, query, key, table, head_size);
 }
 
 }  // namespace pagedattn
 
 TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, ScalarType? out_dtype=None) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, "
+        "ScalarType? out_dtype=None) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
         "Tensor cos_sin_cache) -> ()");

@@ -1,5 +1,5 @@
-// Linear layer on vdpbf16ps: out[m, n] = bias[n] + sum_k x[m, k] * W[n, k], x rounded to
-// bf16, W bf16, products exact and summed in fp32 (LinearDpParams, kernel_api.h, for the
+// Linear layer on vdpbf16ps: out[m, n] = bias[n] + sum_k x[m, k] * W[n, k], x in (or
+// rounded to) bf16, W bf16, products exact and summed in fp32, out fp32 or rounded to bf16 (LinearDpParams, kernel_api.h, for the
 // layout).
 //
 // One k-pair step of a tile loads one 64-byte weight row per panel and broadcasts one
@@ -13,16 +13,27 @@
 constexpr int kDpTileRows = 6;
 constexpr int kDpTilePanels = 4;
 
-// Rows of x rounded to bf16 (vcvtneps2bf16: nearest even; it also flushes fp32 subnormals,
-// |x| < 2^-126, to zero), padded with zeros to 2 * k_pairs columns.
+// Rows of x in bf16, padded with zeros to 2 * k_pairs columns: fp32 rows rounded
+// (vcvtneps2bf16: nearest even; it also flushes fp32 subnormals, |x| < 2^-126, to zero),
+// bf16 rows copied.
 void linear_dp_round_rows(const LinearDpParams& p, int64_t m_begin, int64_t m_end, bf16_t* dst) {
   const int64_t kp = 2 * p.k_pairs;
+  const auto lanes = [](int64_t n) {
+    return static_cast<__mmask16>((1u << std::clamp<int64_t>(n, 0, 16)) - 1u);
+  };
+  const auto lanes32 = [](int64_t n) {
+    return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << std::max<int64_t>(n, 0)) - 1u);
+  };
   for (int64_t m = m_begin; m < m_end; ++m, dst += kp) {
-    const float* src = p.x + m * p.x_stride;
+    if (p.x_dtype == DType::kBF16) {
+      const bf16_t* src = static_cast<const bf16_t*>(p.x) + m * p.x_stride;
+      for (int64_t c = 0; c < kp; c += 32)
+        _mm512_mask_storeu_epi16(dst + c, lanes32(kp - c),
+                                 _mm512_maskz_loadu_epi16(lanes32(p.k - c), src + c));
+      continue;
+    }
+    const float* src = static_cast<const float*>(p.x) + m * p.x_stride;
     for (int64_t c = 0; c < kp; c += 16) {
-      const auto lanes = [](int64_t n) {
-        return static_cast<__mmask16>((1u << std::clamp<int64_t>(n, 0, 16)) - 1u);
-      };
       const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes(p.k - c), src + c));
       _mm256_mask_storeu_epi16(dst + c, lanes(kp - c), h);
     }
@@ -55,8 +66,14 @@ inline void linear_dp_tile(const LinearDpParams& p, const bf16_t* x, int64_t m, 
     const int ncols = static_cast<int>(std::min<int64_t>(kLinearPanel, p.n - col));
     const __mmask16 mask = static_cast<__mmask16>((1u << ncols) - 1u);
     const __m512 b = p.bias != nullptr ? _mm512_maskz_loadu_ps(mask, p.bias + col) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r)
-      _mm512_mask_storeu_ps(p.out + (m + r) * p.out_stride + col, mask, _mm512_add_ps(acc[r][j], b));
+    for (int r = 0; r < MR; ++r) {
+      const __m512 y = _mm512_add_ps(acc[r][j], b);
+      if (p.out_dtype == DType::kBF16)
+        _mm256_mask_storeu_epi16(static_cast<bf16_t*>(p.out) + (m + r) * p.out_stride + col, mask,
+                                 (__m256i)_mm512_cvtneps_pbh(y));
+      else
+        _mm512_mask_storeu_ps(static_cast<float*>(p.out) + (m + r) * p.out_stride + col, mask, y);
+    }
   }
 }
 

@@ -1,7 +1,8 @@
 // packed_linear: a model's linear layer over panel-packed weights (linear_kernel_impl.h), for
 // CPUs where torch's half-precision GEMM is slow and for decode-sized batches, where a
 // linear layer is a stream over its weights. packed_linear_dpbf16: the same with bf16
-// activations on vdpbf16ps (linear_dpbf16_impl.h, AVX512-BF16). Validation here, unchecked
+// (or fp32, rounded) activations on vdpbf16ps (linear_dpbf16_impl.h, AVX512-BF16), fp32 or
+// bf16 out. Validation here, unchecked
 // loops in the ISA TUs.
 #include <ATen/Parallel.h>
 
@@ -78,9 +79,21 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
   return out;
 }
 
+// float32 or bfloat16: the activation dtypes of the dpbf16 path.
+static DType activation_dtype(at::ScalarType t, const char* name) {
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16, name,
+                   " must be float32 or bfloat16, got ", t);
+  return t == at::kFloat ? DType::kF32 : DType::kBF16;
+}
+
 at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_weight,
-                                const std::optional<at::Tensor>& bias, int64_t out_features) {
-  check_x(x);
+                                const std::optional<at::Tensor>& bias, int64_t out_features,
+                                std::optional<at::ScalarType> out_dtype) {
+  check_cpu(x, "x");
+  const DType x_dtype = activation_dtype(x.scalar_type(), "x");
+  const at::ScalarType out_type = out_dtype.value_or(at::kFloat);
+  const DType o_dtype = activation_dtype(out_type, "out_dtype");
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [num_tokens, in_features], got shape ", x.sizes());
   check_cpu(packed_weight, "packed_weight");
   TORCH_CHECK_TYPE(packed_weight.scalar_type() == at::kBFloat16,
                    "packed_weight must be bfloat16 (pack_linear_weight_dpbf16), got ",
@@ -102,14 +115,15 @@ at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_we
                               "AVX512-BF16); the kernels in use are ", kt->name);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t m = x.size(0);
-  at::Tensor out = at::empty({m, out_features}, x.options());
+  at::Tensor out = at::empty({m, out_features}, x.options().dtype(out_type));
   if (m == 0) return out;
   if (k == 0) return bias_c.defined() ? out.copy_(bias_c.expand({m, out_features})) : out.zero_();
 
-  const LinearDpParams p{xc.data_ptr<float>(), xc.stride(0),
+  const LinearDpParams p{xc.data_ptr(), xc.stride(0),
                          reinterpret_cast<const bf16_t*>(packed_weight.data_ptr()),
                          bias_c.defined() ? bias_c.data_ptr<float>() : nullptr,
-                         out.data_ptr<float>(), out.stride(0), m, out_features, k, k_pairs};
+                         out.data_ptr(), out.stride(0), m, out_features, k, k_pairs,
+                         x_dtype, o_dtype};
   // Threads split the panels in whole groups of the microkernel's 4-panel tile; each rounds
   // its row block to bf16 into its own buffer (kept between calls: no allocation per call).
   constexpr int64_t kGroup = 4;
@@ -130,7 +144,8 @@ at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_we
 
 TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
-  m.def("packed_linear_dpbf16(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("packed_linear_dpbf16(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, "
+        "ScalarType? out_dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {

@@ -75,12 +75,18 @@ class EngineArgs:
         calculate_kv_scales: fp8 only. ``False``: every layer's ``k_scale`` and
             ``v_scale`` are 1.0. ``True``: each layer's scales are calibrated from the
             first prefill step (``amax / fp8 max``, per tensor) and then kept.
-        linear_impl: ``"auto"`` (default with the native extension): fp32 activations,
-            weights in ``dtype``, each layer shape and row count on the path measured
-            fastest here (:mod:`pagedattn.models.linear_paths`); ``"packed"``: every layer
-            on ``pagedattn.ops.packed_linear``; ``"torch"``: ``nn.Linear`` in ``linear_dtype``.
-        linear_dtype: with ``linear_impl="torch"``, dtype of the weights and activations
-            around attention; ``None`` = ``dtype``, except on CPUs without a native
+        linear_impl: ``"auto"`` (default with the native extension): weights in ``dtype``,
+            activations in ``linear_dtype``, each layer shape and row count on the path
+            measured fastest here (:mod:`pagedattn.models.linear_paths`); ``"packed"``:
+            every layer on ``pagedattn.ops.packed_linear`` (fp32 activations); ``"torch"``:
+            ``nn.Linear`` in ``linear_dtype``.
+        linear_dtype: the activations of the linear layers. ``linear_impl="auto"``:
+            ``None`` = bfloat16 for a bfloat16 model on a CPU with a native bf16 GEMM
+            (AVX512-BF16 or AMX: the layers, RoPE and attention take bf16 activations
+            around an fp32 residual stream, as vLLM's and transformers' bf16 runs round
+            them), else float32; set ``"float32"`` to keep every activation in fp32.
+            ``linear_impl="torch"``: dtype of the weights and activations around
+            attention; ``None`` = ``dtype``, except on CPUs without a native
             half-precision GEMM, where it is float32.
         prefill_attention: CPU_ATTN's prefills. ``"auto"``: prefills of at least the
             length from which torch's flash attention for CPU measures faster than the
@@ -147,18 +153,23 @@ class EngineArgs:
         return reference.FP8_CACHE_DTYPES.get(self.kv_cache_dtype, self.dtype)
 
     def _resolve_linear_dtype(self) -> torch.dtype:
-        if self.linear_impl != "torch":
-            if self.linear_dtype is not None and \
-                    parse_dtype(self.linear_dtype, "linear_dtype") != torch.float32:
-                raise ValueError(f"linear_impl={self.linear_impl!r} takes float32 activations "
-                                 f"(weights in dtype={self.dtype}); linear_dtype="
-                                 f"{self.linear_dtype!r} needs linear_impl='torch'")
-            return torch.float32
-        if self.linear_dtype is not None:
-            return parse_dtype(self.linear_dtype, "linear_dtype")
-        if self.dtype != torch.float32 and not native_half_matmul():
-            return torch.float32
-        return self.dtype
+        requested = None if self.linear_dtype is None else parse_dtype(self.linear_dtype,
+                                                                       "linear_dtype")
+        if self.linear_impl == "torch":
+            if requested is not None:
+                return requested
+            if self.dtype != torch.float32 and not native_half_matmul():
+                return torch.float32
+            return self.dtype
+        bf16_ok = self.linear_impl == "auto" and self.dtype == torch.bfloat16
+        if requested is None:
+            return torch.bfloat16 if bf16_ok and native_half_matmul() else torch.float32
+        if requested == torch.float32 or (requested == torch.bfloat16 and bf16_ok):
+            return requested
+        raise ValueError(f"linear_dtype must be float32 with linear_impl={self.linear_impl!r} "
+                         f"and dtype={self.dtype} (bfloat16 activations need "
+                         f"linear_impl='auto' and dtype='bfloat16'; any other dtype needs "
+                         f"linear_impl='torch'), got {self.linear_dtype!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

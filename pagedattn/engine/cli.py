@@ -28,6 +28,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
                    help="linear layers: auto (default with the extension: the path measured "
                         "fastest per layer shape and row count), the packed native kernel, "
                         "or torch nn.Linear")
+    g.add_argument("--linear-dtype", choices=list(DTYPES), default=None,
+                   help="activations of the linear layers (default: bfloat16 for a bfloat16 "
+                        "model where the CPU has a native bf16 GEMM, else float32)")
     g.add_argument("--prefill-attention", choices=PREFILL_ATTENTION, default="auto",
                    help="CPU_ATTN prefills: auto (long prefills on torch's flash attention "
                         "where it measures faster here), kernel, or flash")
@@ -45,7 +48,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     """The :class:`EngineArgs` of parsed ``add_engine_arguments`` options."""
     fields = dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                   calculate_kv_scales=args.calculate_kv_scales, linear_impl=args.linear_impl,
-                  prefill_attention=args.prefill_attention, backend=args.backend, block_size=args.block_size,
+                  linear_dtype=args.linear_dtype, prefill_attention=args.prefill_attention, backend=args.backend, block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -62,8 +65,9 @@ def describe_engine(llm) -> str:
         type(llm.embedder.builder).__name__
     prefill = f" ({eng.attention.prefill_plan})" if eng is not None and \
         eng.attention.prefill_plan else ""
+    act = str(llm.act_dtype).removeprefix("torch.")
     return (f"model {a.model}, dtype {str(a.dtype).removeprefix('torch.')}, linear "
-            f"{a.linear_impl}, attention {backend}{prefill}{kv}")
+            f"{a.linear_impl} ({act} activations), attention {backend}{prefill}{kv}")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:

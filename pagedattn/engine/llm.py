@@ -130,6 +130,8 @@ class LLM:
         self.max_model_len = loaded.max_model_len
         self.linear_plan = loaded.linear_plan
         """``linear_impl="auto"``: the path each layer shape and row bucket runs."""
+        self.act_dtype = loaded.act_dtype
+        """The linear layers' activations (bf16 around an fp32 residual stream, or fp32)."""
         self.engine: LLMEngine | None = None
         self.embedder: Embedder | None = None
         if loaded.is_encoder:

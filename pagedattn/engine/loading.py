@@ -29,6 +29,9 @@ class LoadedModel:
     max_model_len: int
     linear_plan: Any = None
     """``linear_impl="auto"``: the measured path of each layer shape and row bucket."""
+    act_dtype: torch.dtype = torch.float32
+    """The activations of the linear layers (:attr:`EngineArgs.linear_dtype`, or fp32 for
+    a model without the bf16-activation form)."""
 
     @property
     def is_encoder(self) -> bool:
@@ -77,13 +80,26 @@ def load_model(args: EngineArgs) -> LoadedModel:
         model_cls = LlamaForCausalLM
     max_model_len = _max_model_len(args, cfg.max_position_embeddings)
     attention = build_attention(args, geo, max_model_len)
-    attn_dtype = args.dtype if args.linear_dtype != args.dtype else None
+    act_dtype = _activation_dtype(args, model_cls)
+    attn_dtype = args.dtype if act_dtype != args.dtype else None
+    if model_cls is LlamaForCausalLM:
+        model_kwargs["act_dtype"] = act_dtype
     net = model_cls(cfg, attention.impls, attn_dtype, **model_kwargs)
     net.load_weights(ckpt.weights())
-    net = net.to(args.linear_dtype).eval()
+    # the torch path runs every parameter in linear_dtype; the native paths keep fp32
+    # parameters (norms, embeddings) and hold the linear weights in their own form
+    net = net.to(args.linear_dtype if args.linear_impl == "torch" else torch.float32).eval()
     plan = None
     if args.linear_impl == "packed":
         pack_linear_layers(net, args.dtype)
     elif args.linear_impl == "auto":
-        plan = install_linear_paths(net, args.dtype)
-    return LoadedModel(cfg, net, load_tokenizer(ckpt), attention, max_model_len, plan)
+        plan = install_linear_paths(net, args.dtype, act_dtype=act_dtype)
+    return LoadedModel(cfg, net, load_tokenizer(ckpt), attention, max_model_len, plan, act_dtype)
+
+
+def _activation_dtype(args: EngineArgs, model_cls) -> torch.dtype:
+    """The activations' dtype: ``linear_dtype``, except that only the Llama family has
+    the bf16-activation form of the native paths (Gemma 3 and BERT keep fp32 there)."""
+    if args.linear_impl != "torch" and model_cls is not LlamaForCausalLM:
+        return torch.float32
+    return args.linear_dtype

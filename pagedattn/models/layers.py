@@ -4,10 +4,10 @@ the paged attention layer that hands one layer's Q/K/V to the selected backend's
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedattn import ops
-from pagedattn.ops import reference
 
 
 def native_fp32(x: torch.Tensor) -> bool:
@@ -16,20 +16,39 @@ def native_fp32(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and ops.native_available()
 
 
+def native_dtypes(act_dtype: torch.dtype | None) -> frozenset[torch.dtype]:
+    """The activation dtypes a layer sends to the native ops: fp32, and ``act_dtype`` when
+    the model runs its linear layers on bf16 activations (an fp32 residual stream, every
+    other tensor bf16). A whole-model bf16 run (``linear_impl="torch"``) keeps the torch
+    code and its Hugging Face roundings."""
+    return frozenset({torch.float32} | ({act_dtype} if act_dtype == torch.bfloat16 else set()))
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: normalise in fp32, scale in the model dtype. Called with a residual,
-    it first adds ``x`` into it (vLLM's fused form) and returns ``(normed, residual)``."""
+    it first adds ``x`` into it (vLLM's fused form) and returns ``(normed, residual)``.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    ``act_dtype`` bf16 (bf16 activations around fp32 residuals): the native op takes fp32 or
+    bf16 ``x`` and writes the normed rows in bf16, the input of the next linear layer."""
+
+    def __init__(self, dim: int, eps: float, act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.native_dtypes = native_dtypes(act_dtype)
+        self.out_dtype = act_dtype if act_dtype == torch.bfloat16 else None
+
+    def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (x.dtype in self.native_dtypes and ops.native_available()
+                and self.weight.dtype == torch.float32
+                and (residual is None or residual.dtype == torch.float32))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if native_fp32(x):
+        if self._native(x, residual):
             if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
-            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+                return ops.rms_norm(x, self.weight, self.eps, self.out_dtype)
+            return (ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.out_dtype),
+                    residual)
         if residual is None:
             return self._torch_norm(x)
         residual = residual + x
@@ -42,11 +61,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a fused gate/up projection ``[T, 2 d]``."""
-    if native_fp32(x):
+def silu_and_mul(x: torch.Tensor,
+                 native: frozenset[torch.dtype] = frozenset({torch.float32})) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate/up projection ``[T, 2 d]``; on the native op
+    for the dtypes in ``native`` (see :func:`native_dtypes`)."""
+    if x.dtype in native and ops.native_available():
         return ops.silu_and_mul(x)
-    return reference.silu_and_mul(x)  # any dtype; the op's own definition
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]  # Hugging Face's order and roundings
 
 
 class PackedLinear(nn.Module):
@@ -101,8 +123,10 @@ class RotaryEmbedding(nn.Module):
     cosines and sines of every position up to ``max_positions`` computed once in fp32:
     ``cos_sin[pos] = [cos(pos * f) | sin(pos * f)]`` over the ``head_dim / 2`` frequencies."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int,
+                 act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.native_dtypes = native_dtypes(act_dtype)
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
                                     / head_dim))
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
@@ -112,7 +136,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated ``(q, k)`` (``[T, heads, head_dim]``); fp32 ones are rotated in place."""
-        if native_fp32(q) and self.cos_sin.dtype == torch.float32:
+        if q.dtype in self.native_dtypes and ops.native_available() \
+                and self.cos_sin.dtype == torch.float32:
             ops.rotary_embedding(positions, q, k, self.cos_sin)
             return q, k
         half = self.cos_sin.shape[1] // 2

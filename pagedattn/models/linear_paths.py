@@ -1,10 +1,13 @@
 """Linear layers whose kernel is picked by measurement on this machine, per (layer shape,
 row-count bucket).
 
-Candidates (:class:`LinearPath`), fp32 activations in and out of every one:
+Activations (``act_dtype``) are fp32, or bf16 for a bf16 model on a CPU with a native
+bf16 GEMM (what vLLM and transformers run there; the loader decides). The output layer
+(``lm_head``) returns fp32 logits where its path can. Candidates (:class:`LinearPath`):
 
 * ``packed``: :func:`pagedattn.ops.packed_linear`, the weight in the model dtype widened to
-  fp32 in registers. Any ISA; streams the weight at memory speed (decode rows).
+  fp32 in registers, fp32 activations (bf16 ones are widened first). Any ISA; streams the
+  weight at memory speed (decode rows).
 * ``dpbf16``: :func:`pagedattn.ops.packed_linear_dpbf16`, bf16 activations and weights on
   ``vdpbf16ps``. bf16 weights and the ``avx512bf16`` kernels only.
 * ``torch``: ``F.linear`` in the weight dtype: bf16/fp16 activations into oneDNN's GEMM
@@ -14,6 +17,8 @@ Candidates (:class:`LinearPath`), fp32 activations in and out of every one:
   Inductor's CPU weight prepacking uses): ``F.linear`` reorders the weight on every call.
 
 An fp32 model only gets fp32 candidates: its activations are never rounded to bf16.
+oneDNN's bf16 GEMM writes bf16, so an ``lm_head`` on ``onednn``/``torch`` with bf16
+activations gives bf16-rounded logits (as vLLM's bf16 models do); ``dpbf16`` writes fp32.
 
 :func:`install_linear_paths` replaces a model's ``nn.Linear`` layers by
 :class:`MeasuredLinear` modules, times every candidate per distinct (in_features,
@@ -46,7 +51,7 @@ from pagedattn.machine import cache_dir, cpu_flags, cpu_model
 from pagedattn.models.layers import replace_linear_layers
 
 FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: shape keys name the activation and output dtypes
 
 
 class LinearPath(str, enum.Enum):
@@ -158,15 +163,27 @@ def forced_path(force: str | LinearPath | None = None) -> LinearPath | None:
 # ------------------------------------------------------------------ the layer
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
 class MeasuredLinear(nn.Module):
-    """A linear layer with fp32 activations that runs, per row count, the path chosen for
-    its bucket (:meth:`set_choices`). It holds the weight in the form each of its paths
-    needs (``packed_weight`` / ``dp_weight`` / ``weight``) and drops the unused ones once
-    the choices are set. Bias: float32, added in fp32."""
+    """A linear layer that runs, per row count, the path chosen for its bucket
+    (:meth:`set_choices`). It takes ``act_dtype`` activations (others are cast) and returns
+    ``out_dtype`` (default ``act_dtype``). It holds the weight in the form each of its
+    paths needs (``packed_weight`` / ``dp_weight`` / ``weight``) and drops the unused ones
+    once the choices are set. Bias: float32, added in fp32."""
 
     def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype,
-                 paths: list[LinearPath]) -> None:
+                 paths: list[LinearPath], act_dtype: torch.dtype = torch.float32,
+                 out_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        if act_dtype not in (torch.float32, torch.bfloat16) or (
+                act_dtype == torch.bfloat16 and weight_dtype != torch.bfloat16):
+            raise ValueError(f"act_dtype must be float32, or bfloat16 with bfloat16 weights; "
+                             f"got act_dtype={act_dtype}, weight_dtype={weight_dtype}")
+        self.act_dtype = act_dtype
+        self.out_dtype = out_dtype or act_dtype
         if not paths:
             raise ValueError(f"no linear path runs {weight_dtype} weights here: " + "; ".join(
                 f"{p.value}: {', '.join(unavailable_reasons(p, weight_dtype))}" for p in LinearPath))
@@ -190,7 +207,10 @@ class MeasuredLinear(nn.Module):
 
     @property
     def shape_key(self) -> str:
-        return f"{self.in_features}x{self.out_features}:{str(self.weight_dtype).split('.')[-1]}"
+        key = f"{self.in_features}x{self.out_features}:{_dtype_name(self.weight_dtype)}"
+        if (self.act_dtype, self.out_dtype) != (torch.float32, torch.float32):
+            key += f":{_dtype_name(self.act_dtype)}->{_dtype_name(self.out_dtype)}"
+        return key
 
     def runner(self, path: LinearPath) -> Callable[[torch.Tensor], torch.Tensor]:
         return {LinearPath.PACKED: self._packed, LinearPath.DPBF16: self._dpbf16,
@@ -216,32 +236,43 @@ class MeasuredLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        if x.dtype != self.act_dtype:
+            x = x.to(self.act_dtype)
         m = x.shape[0]
         return (self._by_rows[m] if m < _DIRECT_ROWS else self._big)(x)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pagedattn.packed_linear(x, self.packed_weight, self.bias, self.out_features)
+        out = torch.ops.pagedattn.packed_linear(x.float(), self.packed_weight, self.bias,
+                                                self.out_features)
+        return out.to(self.out_dtype)  # no-ops for fp32
 
     def _dpbf16(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.pagedattn.packed_linear_dpbf16(x, self.dp_weight, self.bias,
-                                                        self.out_features)
+                                                        self.out_features, self.out_dtype)
+
+    def _half_gemm_out(self, out: torch.Tensor) -> torch.Tensor:
+        """A half-precision GEMM's output, with the fp32 bias, in ``out_dtype``."""
+        if self.bias is None:
+            return out.to(self.out_dtype)
+        return out.float().add_(self.bias).to(self.out_dtype)
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32:
             return F.linear(x, self.weight, self.bias)
-        out = F.linear(x.to(self.weight.dtype), self.weight).float()
-        return out if self.bias is None else out.add_(self.bias)
+        return self._half_gemm_out(F.linear(x.to(self.weight.dtype), self.weight))
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         w = self.onednn_weight
         out = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [None], "")
-        out = out.float()  # a no-op for fp32
-        return out if self.bias is None else out.add_(self.bias)
+        if w.dtype == torch.float32:
+            return out if self.bias is None else out.add_(self.bias)
+        return self._half_gemm_out(out)
 
     def extra_repr(self) -> str:
         chosen = ", ".join(f"{b.label}:{p.value}" for b, p in zip(ROW_BUCKETS, self.choices))
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight_dtype={self.weight_dtype}, bias={self.bias is not None}, rows=[{chosen}]")
+                f"weight_dtype={self.weight_dtype}, act_dtype={self.act_dtype}, "
+                f"out_dtype={self.out_dtype}, bias={self.bias is not None}, rows=[{chosen}]")
 
 
 # ------------------------------------------------------------------ the cache
@@ -335,7 +366,8 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
     burst of load hits them alike; round ``i`` runs layer ``i % len(layers)``, so, as in
     a forward pass, a call seldom finds its weights in the core's own cache."""
     # own generator: tuning must not move the global RNG that seeded sampling draws from
-    x = torch.randn(rows, layers[0].in_features, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, layers[0].in_features,
+                    generator=torch.Generator().manual_seed(rows)).to(layers[0].act_dtype)
     names = [p.value for p in layers[0].paths]
     for path in layers[0].paths:
         layers[0].runner(path)(x)  # warm-up: first touch, oneDNN's primitive creation
@@ -458,11 +490,19 @@ def describe_here() -> list[str]:
 
 def install_linear_paths(model: nn.Module, weight_dtype: torch.dtype,
                          force: str | LinearPath | None = None, budget_s: float = 10.0,
-                         cache: bool = True, busy: str | None | bool = True) -> LinearPlan:
+                         cache: bool = True, busy: str | None | bool = True,
+                         act_dtype: torch.dtype = torch.float32) -> LinearPlan:
     """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`MeasuredLinear` with
-    ``weight_dtype`` weights, then plan their paths (:func:`plan_layers`). Call after
+    ``weight_dtype`` weights and ``act_dtype`` activations (the model's ``lm_head``, if
+    any, returns fp32 logits), then plan their paths (:func:`plan_layers`). Call after
     loading the weights and casting the model to fp32."""
     paths = candidate_paths(weight_dtype)
-    layers = replace_linear_layers(model, lambda linear: MeasuredLinear(linear, weight_dtype, paths))
+    lm_head = getattr(model, "lm_head", None)
+
+    def make(linear: nn.Linear) -> MeasuredLinear:
+        out = torch.float32 if linear is lm_head else act_dtype
+        return MeasuredLinear(linear, weight_dtype, paths, act_dtype, out)
+
+    layers = replace_linear_layers(model, make)
     with torch.inference_mode():
         return plan_layers(layers, force, budget_s, cache, busy)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.models.loader import WeightCopier, fused_projections
-from pagedattn.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
+from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, native_dtypes,
+                                     silu_and_mul)
 
 DECODER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM"}
@@ -82,16 +83,18 @@ class LlamaConfig:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attn_impl, attn_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, attn_impl, attn_dtype: torch.dtype | None = None,
+                 act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.native_dtypes = native_dtypes(act_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, act_dtype)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(attn_impl, attn_dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, act_dtype)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
@@ -111,17 +114,24 @@ class LlamaDecoderLayer(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         attn = self.attn(q, k, v, kv_cache, attn_metadata)
         h, residual = self.post_attention_layernorm(self.o_proj(attn.view(t, self.q_size)), residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h), self.native_dtypes)), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attn_impls: list, attn_dtype: torch.dtype | None = None) -> None:
+    """``act_dtype``: bf16 runs the linear layers, RoPE and attention on bf16 activations
+    around an fp32 residual stream (the norms widen, add and round once); None keeps every
+    activation in the parameters' dtype."""
+
+    def __init__(self, cfg: LlamaConfig, attn_impls: list, attn_dtype: torch.dtype | None = None,
+                 act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, impl, attn_dtype) for impl in attn_impls)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                                      act_dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, impl, attn_dtype, act_dtype)
+                                    for impl in attn_impls)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, act_dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

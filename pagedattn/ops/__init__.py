@@ -431,49 +431,58 @@ def pack_linear_weight_dpbf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear_dpbf16(x: torch.Tensor, packed_weight: torch.Tensor,
-                         bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+                         bias: torch.Tensor | None, out_features: int,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` on AVX512-BF16's ``vdpbf16ps``, for a weight packed by
     :func:`pack_linear_weight_dpbf16`.
 
     Args:
-        x: float32 ``[num_tokens, in_features]`` (any strides), rounded to bfloat16
-            (nearest even; fp32 subnormals, ``|x| < 2**-126``, become zero) once per call.
+        x: ``[num_tokens, in_features]`` (any strides): bfloat16, or float32 rounded to
+            bfloat16 (nearest even; fp32 subnormals, ``|x| < 2**-126``, become zero) once
+            per call.
         packed_weight: bfloat16 ``[ceil(out_features / 16), ceil(in_features / 2), 32]``.
         bias: float32 ``[out_features]`` or None (added in fp32).
         out_features: the layer's output width.
+        out_dtype: float32 (default) or bfloat16 (the fp32 sums rounded, nearest even).
 
-    Returns float32 ``[num_tokens, out_features]``: exact products of the bf16 operands,
-    summed in fp32. Raises NotImplementedError unless :func:`dpbf16_linear_available`.
+    Returns ``[num_tokens, out_features]`` of ``out_dtype``: exact products of the bf16
+    operands, summed in fp32. Raises NotImplementedError unless
+    :func:`dpbf16_linear_available`.
     """
     n = _int64("out_features", out_features)
     if not native_available():
         _require_native("packed_linear_dpbf16")
-    return torch.ops.pagedattn.packed_linear_dpbf16(x, packed_weight, bias, n)
+    return torch.ops.pagedattn.packed_linear_dpbf16(x, packed_weight, bias, n, out_dtype)
 
 
-# ------------------------------------------------------------------ layer steps (fp32)
+# ------------------------------------------------------------------ layer steps
 # One op each instead of torch's chains of small ops: at batch 1 a decode step's time is
 # mostly per-op overhead outside the linear layers. Semantics: the reference functions.
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm of float32 ``x`` ``[T, d]`` (last dim contiguous) with float32
-    ``weight`` ``[d]``; returns a new ``[T, d]`` tensor."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Llama's RMSNorm of ``x`` ``[T, d]`` (float32 or bfloat16, last dim contiguous) with
+    float32 ``weight`` ``[d]``, computed in fp32; returns a new ``[T, d]`` tensor of
+    ``out_dtype`` (float32 or bfloat16; default ``x.dtype``), rounded once."""
     if not native_available():
-        return _fallback("rms_norm").rms_norm(x, weight, eps)
-    return torch.ops.pagedattn.rms_norm(x, weight, float(eps))
+        return _fallback("rms_norm").rms_norm(x, weight, eps, out_dtype)
+    return torch.ops.pagedattn.rms_norm(x, weight, float(eps), out_dtype)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> torch.Tensor:
-    """``residual += x`` (in place, float32 ``[T, d]``), then :func:`rms_norm` of it."""
+                       eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``residual += x`` (in place; ``residual`` float32 ``[T, d]``, ``x`` float32 or
+    bfloat16), then :func:`rms_norm` of the sum into ``out_dtype`` (default ``x.dtype``)."""
     if not native_available():
-        return _fallback("fused_add_rms_norm").fused_add_rms_norm(x, residual, weight, eps)
-    return torch.ops.pagedattn.fused_add_rms_norm(x, residual, weight, float(eps))
+        return _fallback("fused_add_rms_norm").fused_add_rms_norm(x, residual, weight, eps,
+                                                                  out_dtype)
+    return torch.ops.pagedattn.fused_add_rms_norm(x, residual, weight, float(eps), out_dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :d]) * x[:, d:]`` for float32 ``x`` ``[T, 2 d]``; returns ``[T, d]``."""
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2 d]`` (float32 or bfloat16, computed
+    in fp32); returns ``[T, d]`` of ``x.dtype``."""
     if not native_available():
         return _fallback("silu_and_mul").silu_and_mul(x)
     return torch.ops.pagedattn.silu_and_mul(x)
@@ -481,8 +490,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> None:
-    """Rotate-half (GPT-NeoX layout) RoPE, in place on float32 ``query`` ``[T, H, D]`` and
-    ``key`` ``[T, Hk, D]`` (last dims contiguous; token/head strides free, so the views
+    """Rotate-half (GPT-NeoX layout) RoPE, in place on ``query`` ``[T, H, D]`` and ``key``
+    ``[T, Hk, D]`` (both float32 or both bfloat16, rotated in fp32; last dims contiguous; token/head strides free, so the views
     of a fused QKV output work), int64 ``positions`` ``[T]``, float32 ``cos_sin_cache``
     ``[max_positions, D]``: the ``D / 2`` cosines then sines of each position. A position
     outside the cache raises."""

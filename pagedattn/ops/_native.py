@@ -74,16 +74,16 @@ if AVAILABLE:
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("pagedattn::packed_linear_dpbf16")
-    def _packed_linear_dpbf16_fake(x, packed_weight, bias, out_features):
-        return x.new_empty((x.shape[0], out_features))
+    def _packed_linear_dpbf16_fake(x, packed_weight, bias, out_features, out_dtype=None):
+        return x.new_empty((x.shape[0], out_features), dtype=out_dtype or torch.float32)
 
     @torch.library.register_fake("pagedattn::rms_norm")
-    def _rms_norm_fake(x, weight, eps):
-        return x.new_empty(x.shape)
+    def _rms_norm_fake(x, weight, eps, out_dtype=None):
+        return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("pagedattn::fused_add_rms_norm")
-    def _fused_add_rms_norm_fake(x, residual, weight, eps):
-        return x.new_empty(x.shape)
+    def _fused_add_rms_norm_fake(x, residual, weight, eps, out_dtype=None):
+        return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("pagedattn::silu_and_mul")
     def _silu_and_mul_fake(x):

@@ -557,22 +557,29 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 # ------------------------------------------------------------------ layer steps (fp32)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: ``(x * rsqrt(mean(x^2) + eps)) * weight`` per row."""
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * weight
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Llama's RMSNorm: ``(x * rsqrt(mean(x^2) + eps)) * weight`` per row, in fp32,
+    rounded once to ``out_dtype`` (default ``x.dtype``)."""
+    h = x.float()
+    out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)) * weight.float()
+    return out.to(out_dtype or x.dtype)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> torch.Tensor:
-    """``residual += x`` in place, then :func:`rms_norm` of the sum."""
+                       eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``residual += x`` in place (in the residual's dtype), then :func:`rms_norm` of the
+    sum into ``out_dtype`` (default ``x.dtype``)."""
     residual.add_(x)
-    return rms_norm(residual, weight, eps)
+    return rms_norm(residual, weight, eps, out_dtype or x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` of width ``2 d``."""
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` of width ``2 d``, in fp32 for half ``x``
+    (rounded once to ``x.dtype``)."""
     d = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    h = x.float()
+    return (torch.nn.functional.silu(h[..., :d]) * h[..., d:]).to(x.dtype)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
