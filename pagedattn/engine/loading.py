@@ -82,7 +82,8 @@ def load_model(args: EngineArgs) -> LoadedModel:
     attention = build_attention(args, geo, max_model_len)
     act_dtype = _activation_dtype(args, model_cls)
     attn_dtype = args.dtype if act_dtype != args.dtype else None
-    if model_cls is LlamaForCausalLM:
+    if model_cls is not BertModel and args.linear_impl != "torch":
+        # the native paths' mixed form; linear_impl="torch" keeps Hugging Face's roundings
         model_kwargs["act_dtype"] = act_dtype
     net = model_cls(cfg, attention.impls, attn_dtype, **model_kwargs)
     net.load_weights(ckpt.weights())
@@ -98,8 +99,8 @@ def load_model(args: EngineArgs) -> LoadedModel:
 
 
 def _activation_dtype(args: EngineArgs, model_cls) -> torch.dtype:
-    """The activations' dtype: ``linear_dtype``, except that only the Llama family has
-    the bf16-activation form of the native paths (Gemma 3 and BERT keep fp32 there)."""
-    if args.linear_impl != "torch" and model_cls is not LlamaForCausalLM:
+    """The activations' dtype: ``linear_dtype``, except that the encoder (BERT) has no
+    bf16-activation form of the native paths and keeps fp32 there."""
+    if args.linear_impl != "torch" and model_cls is BertModel:
         return torch.float32
     return args.linear_dtype

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn import ops
-from pagedattn.models.layers import PagedAttention, RotaryEmbedding, native_fp32
+from pagedattn.models.layers import PagedAttention, RotaryEmbedding, native_dtypes
 from pagedattn.models.loader import WeightCopier, fused_projections
 
 GEMMA3_MODEL_TYPES = ("gemma3_text",)
@@ -158,26 +158,37 @@ class GemmaRMSNorm(nn.Module):
     (Llama's casts before the weight; Gemma's after). The weight is Hugging Face's ``w``
     (zero = identity). Called with a residual, it first adds ``x`` into it and returns
     ``(normed, residual)``, as :class:`pagedattn.models.layers.RMSNorm` does. Any leading
-    shape: the norm is over the last dimension."""
+    shape: the norm is over the last dimension.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    ``act_dtype`` bf16 (bf16 activations around an fp32 residual stream): the native op
+    takes fp32 or bf16 ``x`` and writes bf16, rounded once."""
+
+    def __init__(self, dim: int, eps: float, act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.native_dtypes = native_dtypes(act_dtype)
+        self.out_dtype = act_dtype if act_dtype == torch.bfloat16 else None
 
     def scale(self) -> torch.Tensor:
         """``1 + w`` in fp32 (a few hundred floats: computed per call, never stale)."""
         return 1.0 + self.weight.detach().float()
 
+    def _native(self, x: torch.Tensor) -> bool:
+        return x.dtype in self.native_dtypes and ops.native_available()
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
-            if native_fp32(x) and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
-                return ops.fused_add_rms_norm(x, residual, self.scale(), self.eps), residual
+            if self._native(x) and residual.dtype == torch.float32 and x.dim() == 2 \
+                    and x.is_contiguous() and residual.is_contiguous():
+                return (ops.fused_add_rms_norm(x, residual, self.scale(), self.eps,
+                                               self.out_dtype), residual)
             residual = residual + x
             return self.forward(residual), residual
-        if native_fp32(x):
+        if self._native(x):
             flat = x.reshape(-1, x.shape[-1])
-            return ops.rms_norm(flat.contiguous(), self.scale(), self.eps).view(x.shape)
+            return ops.rms_norm(flat.contiguous(), self.scale(), self.eps,
+                                self.out_dtype).view(x.shape)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.scale()).to(x.dtype)
@@ -191,25 +202,25 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: Gemma3Config, layer_type: str, attn_impl,
-                 attn_dtype: torch.dtype | None = None) -> None:
+                 attn_dtype: torch.dtype | None = None, act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.layer_type = layer_type
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         eps = cfg.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, act_dtype)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, eps)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, eps, act_dtype)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, eps, act_dtype)
         self.attn = PagedAttention(attn_impl, attn_dtype)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, act_dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, act_dtype)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, act_dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 rotary: RotaryEmbedding, kv_cache: torch.Tensor,
@@ -240,7 +251,7 @@ class Gemma3ForCausalLM(nn.Module):
     reference code and transformers do: ``sqrt(640)`` is 25.25 in bf16)."""
 
     def __init__(self, cfg: Gemma3Config, attn_impls: list, attn_dtype: torch.dtype | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if len(attn_impls) != cfg.num_layers:
             raise ValueError(f"got {len(attn_impls)} attention impls for {cfg.num_layers} layers")
@@ -249,12 +260,13 @@ class Gemma3ForCausalLM(nn.Module):
         scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype).float()
         self.register_buffer("embed_scale", scale, persistent=False)
         self.rotary = nn.ModuleDict({
-            FULL: RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings),
+            FULL: RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                                  act_dtype),
             SLIDING: RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta,
-                                     cfg.max_position_embeddings)})
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, kind, impl, attn_dtype)
+                                     cfg.max_position_embeddings, act_dtype)})
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, kind, impl, attn_dtype, act_dtype)
                                     for kind, impl in zip(cfg.layer_types, attn_impls))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, act_dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
