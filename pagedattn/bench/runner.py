@@ -589,6 +589,5 @@ def log_machine(machine: probes.MachineLimits, log) -> None:
     flops = ", ".join(f"{k} {v:,.0f}" for k, v in machine.matmul_gflops.items())
     log(f"machine   {machine.cpu_model}, {machine.logical_cores} cores, {machine.threads} threads, "
         f"LLC {machine.llc_bytes >> 20} MiB")
-    log(f"limits    DRAM read {machine.dram_read_gbps:.1f} GB/s (torch.sum, "
-        f"{machine.probe_bytes >> 20} MiB); matmul peak GFLOP/s: {flops}  [{src} "
-        f"{machine.measured_at}; --remeasure to redo]")
+    log(f"limits    DRAM read {machine.dram_read_gbps:.1f} GB/s ({machine.bandwidth_note()}); "
+        f"matmul peak GFLOP/s: {flops}  [{src} {machine.measured_at}; --remeasure to redo]")

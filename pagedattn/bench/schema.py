@@ -11,7 +11,8 @@ Document outline (times in seconds, rates in 1e9 units)::
 
     {schema_version, created, command[], wall_s, other_load_cores, other_load_during_run,
      machine:  {cpu_model, logical_cores, threads, llc_bytes, dram_read_gbps,
-                matmul_gflops{dtype: GFLOP/s}, probe_bytes, matmul_size, measured_at, cached},
+                matmul_gflops{dtype: GFLOP/s}, probe_bytes, matmul_size, measured_at, cached,
+                details{bandwidth{best, figures[], ...}}, probe_version},
      versions: {pagedattn, torch, python, ...},
      options:  {suite, scenarios, contenders[], repeat, threads, budget_s, warmup_s,
                 interleave},
@@ -60,6 +61,7 @@ SCHEMA: dict = {
                 "measured_at": {"type": "string"},
                 "cached": {"type": "boolean"},
                 "details": {"type": "object"},
+                "probe_version": {"type": "integer", "minimum": 1},
             },
         },
         "versions": {
