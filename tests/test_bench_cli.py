@@ -463,6 +463,9 @@ def test_quick_tiny_run_end_to_end_as_a_command(tmp_path):
     assert "[" in proc.stderr and "decode-b2-c100 · pagedattn" in proc.stderr  # progress
     doc = json.loads(path.read_text())
     assert validate_result(doc) == [] and doc["options"]["repeat"] == 5
+    streamed = {s["stream"]["method"] for s in doc["scenarios"] if s["stream"]["times_s"]}
+    assert streamed == {probes.stream_reader()[0]}  # t/stream times the strongest read
+    assert f"t/stream = pagedattn time / a plain read ({probes.stream_reader()[0]})" in proc.stdout
 
 
 @pytest.mark.slow  # a minute of real probes and kernels; a timing bound wants a quiet machine
