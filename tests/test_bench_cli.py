@@ -23,7 +23,11 @@ import torch
 from pagedattn.bench import contenders as contenders_mod
 from pagedattn.bench import probes, report, runner
 from pagedattn.bench.contenders import Contender, Prepared, natural_cache_rows
-from pagedattn.bench.scenarios import Scenario, build_inputs, select_scenarios, tiny_suite
+from pagedattn.bench import scenarios as scenarios_mod
+from pagedattn.bench.scenarios import (
+    Scenario, build_inputs, copies_for, default_suite, quick_suite, reuse_gaps, select_scenarios,
+    stream_offset, tiny_suite,
+)
 from pagedattn.bench.schema import SCHEMA, validate, validate_result
 from pagedattn.cli import main
 from pagedattn import ops
@@ -520,18 +524,86 @@ def test_threads_option_sets_torch_threads_for_the_run(tmp_path, capsys, fake_li
     assert doc["machine"]["threads"] == 1 and doc["options"]["threads"] == 1
 
 
-def test_stream_views_are_disjoint_slices_of_the_pool():
-    pool = torch.zeros(2, 50, 4, 16, 32, dtype=torch.bfloat16)
-    views = probes.stream_views(pool, nbytes=100_000, copies=3)
-    assert [v.numel() * 4 for v in views] == [100_000] * 3
-    base = pool.data_ptr()
-    spans = sorted((v.data_ptr() - base, v.data_ptr() - base + v.numel() * 4) for v in views)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-    assert spans[-1][1] <= pool.numel() * 2
-    views[1].fill_(1.0)  # a view, not a copy
-    assert pool.count_nonzero() > 0
+DECODES = {s.name: s for suite in (default_suite(), quick_suite()) for s in suite
+           if s.kind == "decode"}
 
 
+@pytest.mark.parametrize("llc", [1 << 20, 32 << 20, 480 << 20],
+                         ids=["tests' 1M", "AVX2 VM 32M", "AVX512-BF16 VM 480M"])
+def test_decode_rotation_keeps_every_kv_read_out_of_the_llc(llc):
+    """Between two reads of any KV byte -- by a call or by the stream -- at least 2x the
+    LLC of other bytes are read, for every decode row of the bench (a 64-copy cap once left
+    the small ones LLC-resident on a 480 MiB LLC)."""
+    assert len(DECODES) == 15  # 9 bf16 rows and 6 fp8 ones
+    for s in DECODES.values():
+        copies = copies_for(s, llc)
+        kernel_gap, stream_gap = reuse_gaps(copies, s.kv_bytes())
+        assert min(kernel_gap, stream_gap) >= 2 * llc, (s.name, copies)
+        assert copies * s.kv_bytes() >= 2 * llc + s.kv_bytes()
+        assert copies < scenarios_mod.MAX_COPIES
+
+
+@pytest.mark.parametrize("copies", [2, 3, 4, 5, 8, 481])
+def test_reuse_gaps_are_those_of_the_loop_the_runner_runs(copies):
+    """K(c) then S(c + offset), simulated: reads between two reads of a region."""
+    ahead = stream_offset(copies)
+    loop = [r for c in range(3 * copies) for r in (("K", c % copies), ("S", (c + ahead) % copies))]
+    last, gaps = {}, {"K": [], "S": []}
+    for i, (kind, region) in enumerate(loop):
+        if i >= 2 * copies:  # one full rotation done: the steady state
+            gaps[kind].append(i - last[region] - 1)
+        last[region] = i
+    assert reuse_gaps(copies, 1) == (min(gaps["K"]), min(gaps["S"]))
+
+
+def test_each_copy_owns_a_shuffled_region_of_the_pool():
+    s = next(x for x in tiny_suite() if x.kind == "decode")
+    inputs = build_inputs(s, 3)
+    per_copy = sum(-(-n // s.block_size) for n in s.seq_lens)
+    orders = []
+    for c in range(3):
+        table = inputs.block_tables[c]
+        used = [int(b) for r, n in enumerate(s.seq_lens) for b in table[r, :-(-n // s.block_size)]]
+        lo = 1 + c * per_copy
+        assert sorted(used) == list(range(lo, lo + per_copy))
+        k, v = inputs.copy_region(c)
+        assert k.shape[0] == v.shape[0] == per_copy
+        assert k.data_ptr() == inputs.key_cache[lo].data_ptr()
+        assert v.data_ptr() == inputs.value_cache[lo].data_ptr()
+        orders.append(used != sorted(used))
+    assert any(orders)  # random order inside the region
+    with pytest.raises(ValueError, match=r"copy must be in \[0, 3\), got 3"):
+        inputs.copy_region(3)
+
+
+def test_the_stream_reads_the_region_half_a_rotation_ahead(monkeypatch, fake_limits):
+    log = []
+    seen_inputs = []
+    real_prepare = _Recording.prepare
+
+    def prepare(self, inputs):
+        seen_inputs.append(inputs)
+        return real_prepare(self, inputs)
+
+    def spy(t):
+        log.append(("stream", t.data_ptr(), None, None))
+    monkeypatch.setattr(_Recording, "prepare", prepare)
+    monkeypatch.setattr(probes, "stream_reader", lambda: ("spy", spy))
+    scen = _recorded_run(log, interleave=False, warmup_s=0.0)
+    inputs, copies = seen_inputs[0], scen.copies
+    assert scen.stream_method == "spy" and copies == copies_for(scen.scenario, 1 << 20)
+    region_of = {}
+    for c in range(copies):
+        k, v = inputs.copy_region(c)
+        region_of[k.data_ptr()], region_of[v.data_ptr()] = (c, "K"), (c, "V")
+    checked = 0
+    for i, entry in enumerate(log[:-2]):
+        if entry[0].startswith("rec-") and log[i + 1][0] == "stream":
+            copy, ahead = entry[1], (entry[1] + stream_offset(copies)) % copies
+            read = [region_of[log[i + 1][1]], region_of[log[i + 2][1]]]
+            assert read == [(ahead, "K"), (ahead, "V")], (copy, read)
+            checked += 1
+    assert checked == 6  # rec-a and rec-b, 3 timed calls each
 def test_vllm_contender_without_the_wheel_is_skipped_with_a_reason(tmp_path):
     env = {**os.environ, "PAGEDATTN_VLLM_PATH": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "pagedattn", "bench", "--list", "--suite", "tiny"],

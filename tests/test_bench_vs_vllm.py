@@ -231,7 +231,7 @@ def test_geometry_rejects_scaling_shapes_outside_the_grid():
         bvv.Geometry(**{**g.__dict__, "scaling_decode": (8, 2048)})
 
 
-def test_pinned_stream_probe_reads_each_copy_on_its_threads_and_restores_them(monkeypatch):
+def test_pinned_stream_probe_reads_each_copy_region_on_its_threads_and_restores_them(monkeypatch):
     from pagedattn.bench import probes, threads
     from pagedattn.bench.scenarios import build_inputs
 
@@ -253,8 +253,10 @@ def test_pinned_stream_probe_reads_each_copy_on_its_threads_and_restores_them(mo
     for copy in range(3):
         assert prepared.run(copy) is None
     assert torch.get_num_threads() == 2
-    assert [n for n, _, _ in seen] == [1, 1, 1]
-    assert all(nbytes == decode.kv_bytes() // 4 * 4 for _, nbytes, _ in seen)
-    assert len({ptr for _, _, ptr in seen}) == 3  # one slice per copy
+    assert [n for n, _, _ in seen] == [1] * 6  # K and V parts of each copy, on 1 thread
+    regions = [inputs.copy_region(c) for c in range(3)]
+    want = [(p.numel() * p.element_size(), p.data_ptr()) for region in regions for p in region]
+    assert [(nbytes, ptr) for _, nbytes, ptr in seen] == want  # copy c reads region c
+    assert seen[0][1] + seen[1][1] >= decode.kv_bytes()
     with pytest.raises(ValueError, match="threads must be an int >= 1, got 0"):
         threads.PinnedStreamContender(0)

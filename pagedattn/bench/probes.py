@@ -131,18 +131,6 @@ def stream_buffers(nbytes: int, copies: int) -> torch.Tensor:
     return torch.ones(copies, n, dtype=torch.float32)
 
 
-def stream_views(pool: torch.Tensor, nbytes: int, copies: int) -> list[torch.Tensor]:
-    """``copies`` disjoint fp32 views of ``nbytes`` (rounded down to 4) of ``pool``'s
-    memory, spread evenly over it: streaming the benchmark's own KV pool costs no extra
-    memory (a 2 GiB pool would otherwise need 2 GiB more of stream buffers)."""
-    raw = pool.reshape(-1).view(torch.uint8)
-    stride = (raw.numel() // copies) // 64 * 64
-    n = min(nbytes, stride) // 4 * 4
-    if n <= 0:
-        raise ValueError(f"pool of {raw.numel()} bytes is too small for {copies} streams")
-    return [raw[c * stride:c * stride + n].view(torch.float32) for c in range(copies)]
-
-
 # ------------------------------------------------------------------------ reading memory
 
 

@@ -14,9 +14,11 @@ Timing protocol (per scenario x contender):
    a rotation ``1, 2, ..., copies - 1, 0, 1, ...``: the least recently read copy, evicted
    from the LLC since, even when contenders alternate. For bandwidth-bound kinds the
    strongest plain read (:func:`pagedattn.bench.probes.stream_reader`: the native
-   ``stream_read``, else ``torch.sum``) of as many fresh bytes (a slice of the KV pool
-   for attention, separate buffers for cache writes) is timed right after each timed
-   call: the scenario's stream time.
+   ``stream_read``, else ``torch.sum``) of as many fresh bytes is timed right after each
+   timed call: the scenario's stream time. It reads the region of the KV pool half a
+   rotation ahead (:func:`~pagedattn.bench.scenarios.stream_offset`; separate buffers
+   for cache writes), so neither it nor the calls read bytes still in the LLC
+   (:func:`~pagedattn.bench.scenarios.copies_for`).
 
 Reported times are medians of the repeats.
 """
@@ -37,7 +39,7 @@ from pagedattn.bench import probes
 from pagedattn.bench.contenders import CONTENDERS, Contender, Prepared
 from pagedattn.bench.scenarios import (
     KV_DTYPES, SUITES, Scenario, ScenarioInputs, build_inputs, copies_for, select_scenarios,
-    with_kv_dtype,
+    stream_offset, stream_regions, with_kv_dtype,
 )
 
 STATUSES = ("ok", "wrong", "unavailable", "unsupported", "error")
@@ -501,13 +503,15 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
         if s.kind in BANDWIDTH_KINDS:
             stream_method, read = probes.stream_reader()
             if s.kind == "reshape_and_cache":  # the pool is written to: own buffers
-                views = list(probes.stream_buffers(s.bytes_moved(), copies))
-            else:  # the KV is read-only: stream the pool's own bytes, copy by copy
-                views = probes.stream_views(inputs.kv_cache, s.kv_bytes(), copies)
-            stream_bytes = views[0].numel() * 4
+                regions = [(b,) for b in probes.stream_buffers(s.bytes_moved(), copies)]
+            else:  # the KV is read-only: stream the pool's own bytes, region by region
+                regions = stream_regions(inputs)
+            stream_bytes = sum(t.numel() * t.element_size() for t in regions[0])
+            ahead = stream_offset(copies)
 
-            def stream(copy: int, views=views, read=read) -> None:
-                read(views[copy])
+            def stream(copy: int, regions=regions, read=read, ahead=ahead) -> None:
+                for part in regions[(copy + ahead) % len(regions)]:
+                    read(part)
         cells: dict[str, Cell] = {}
         stream_times: list[float] = []
         rotation = _CopyRotation(copies)

@@ -15,7 +15,7 @@ import torch
 
 from pagedattn.bench import probes
 from pagedattn.bench.contenders import Contender, PagedattnContender, Prepared
-from pagedattn.bench.scenarios import Scenario, ScenarioInputs
+from pagedattn.bench.scenarios import Scenario, ScenarioInputs, stream_regions
 from pagedattn.checks import require_int
 
 
@@ -79,7 +79,7 @@ class PinnedThreadsContender(_PinnedContender):
 
 class PinnedStreamContender(_PinnedContender):
     """The runner's stream read (:func:`~pagedattn.bench.probes.stream_reader`: the
-    native ``stream_read``, else ``torch.sum``) of a copy-sized slice of the KV pool under
+    native ``stream_read``, else ``torch.sum``) of a copy's region of the KV pool under
     ``threads`` threads, on ``scenarios`` only; named ``stream@<threads>t``. Its median
     against the scenario's stream time (the same read at the run's thread count after
     every call) is the memory's own scaling, measured in the same loop as pagedattn's.
@@ -95,11 +95,12 @@ class PinnedStreamContender(_PinnedContender):
                              f"{threads} thread(s)")
 
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
-        views = probes.stream_views(inputs.kv_cache, inputs.scenario.kv_bytes(), inputs.copies)
+        regions = stream_regions(inputs)
         _, read = probes.stream_reader()
         n = self.threads
 
         def run(copy: int) -> None:
             with num_threads(n):
-                read(views[copy])
+                for part in regions[copy]:
+                    read(part)
         return Prepared(run)
