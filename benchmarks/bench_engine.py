@@ -94,11 +94,12 @@ def weight_bytes_per_token(llm: LLM) -> int:
 
 def weight_streaming_fraction(llm: LLM, decode_tok_s: float) -> tuple[float, float, int]:
     """``(fraction, DRAM GB/s, bytes per token)``: how close W1's decode runs to the
-    weight-streaming limit, the DRAM probe of ``pagedattn bench`` (torch.sum over fresh
-    256 MiB slices rotating through more than the LLC) over the bytes per token."""
+    weight-streaming limit, the DRAM probe of ``pagedattn bench`` (the best of the native
+    ``stream_read`` and torch.sum over fresh slices, :func:`measure_bandwidth`) over the
+    bytes per token."""
     from pagedattn.bench.probes import llc_bytes, measure_bandwidth
 
-    gbs = measure_bandwidth(256 << 20, llc_bytes())
+    gbs, _ = measure_bandwidth(256 << 20, llc_bytes())
     nbytes = weight_bytes_per_token(llm)
     return decode_tok_s * nbytes / (gbs * 1e9), gbs, nbytes
 

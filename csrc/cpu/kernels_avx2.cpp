@@ -23,6 +23,7 @@ namespace {
 #include "decode_avx2.h"
 #include "linear_kernel_impl.h"
 #include "layer_kernel_impl.h"
+#include "stream_read_impl.h"
 #include "prefill_lanes_avx2.h"
 template <>
 struct PrefillItem<VecAvx2, float> : LanesPrefillAvx2<float> {};
@@ -34,7 +35,8 @@ struct PrefillItem<VecAvx2, fp16_t> : LanesPrefillAvx2<fp16_t> {};
 
 const KernelTable* kernels_avx2() {
   static const KernelTable table =
-      with_model_kernels<VecAvx2>(make_kernel_table<VecAvx2>("avx2"));
+      with_stream_kernels<VecAvx2>(
+          with_model_kernels<VecAvx2>(make_kernel_table<VecAvx2>("avx2")));
   return &table;
 }
 

@@ -22,6 +22,7 @@ namespace {
 #include "attn_kernel_impl.h"
 #include "linear_kernel_impl.h"
 #include "layer_kernel_impl.h"
+#include "stream_read_impl.h"
 #include "prefill_lanes_avx512.h"
 template <>
 struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
@@ -29,7 +30,8 @@ struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 
 const KernelTable* kernels_avx512() {
   static const KernelTable table =
-      with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512"));
+      with_stream_kernels<VecAvx512>(
+          with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512")));
   return &table;
 }
 

@@ -23,6 +23,7 @@ namespace {
 #include "attn_kernel_impl.h"
 #include "linear_kernel_impl.h"
 #include "layer_kernel_impl.h"
+#include "stream_read_impl.h"
 #include "linear_dpbf16_impl.h"
 
 // bf16 words of a key/value row for the vdpbf16ps kernels below: 32 at a time, or the
@@ -354,7 +355,8 @@ struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 
 const KernelTable* kernels_avx512bf16() {
   static const KernelTable table = [] {
-    KernelTable t = with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512bf16"));
+    KernelTable t = with_stream_kernels<VecAvx512>(
+        with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512bf16")));
     t.linear_dpbf16_block = &linear_dpbf16_block;
     return t;
   }();

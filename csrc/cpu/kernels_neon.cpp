@@ -18,11 +18,13 @@ namespace {
 #include "attn_kernel_impl.h"
 #include "linear_kernel_impl.h"
 #include "layer_kernel_impl.h"
+#include "stream_read_impl.h"
 }  // namespace
 
 const KernelTable* kernels_neon() {
   static const KernelTable table =
-      with_model_kernels<VecNeon>(make_kernel_table<VecNeon>("neon"));
+      with_stream_kernels<VecNeon>(
+          with_model_kernels<VecNeon>(make_kernel_table<VecNeon>("neon")));
   return &table;
 }
 

@@ -16,11 +16,13 @@ namespace {
 #include "attn_kernel_impl.h"
 #include "linear_kernel_impl.h"
 #include "layer_kernel_impl.h"
+#include "stream_read_impl.h"
 }  // namespace
 
 const KernelTable* kernels_scalar() {
   static const KernelTable table =
-      with_model_kernels<VecPortable>(make_kernel_table<VecPortable>("scalar"));
+      with_stream_kernels<VecPortable>(
+          with_model_kernels<VecPortable>(make_kernel_table<VecPortable>("scalar")));
   return &table;
 }
 

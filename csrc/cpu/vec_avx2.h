@@ -163,4 +163,19 @@ struct VecAvx2 {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+
+  // Byte streaming (stream_read_impl.h): 32-byte loads; psadbw against zero sums each
+  // 8-byte group into a u64 lane (4 lanes).
+  using SB = __m256i;
+  static constexpr int kStreamBytes = 32;
+  static SB stream_zero() { return _mm256_setzero_si256(); }
+  static SB stream_add(SB acc, const uint8_t* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_add_epi64(acc, _mm256_sad_epu8(v, _mm256_setzero_si256()));
+  }
+  static uint64_t stream_total(SB acc) {
+    const __m128i s = _mm_add_epi64(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    return static_cast<uint64_t>(_mm_cvtsi128_si64(s)) +
+           static_cast<uint64_t>(_mm_extract_epi64(s, 1));
+  }
 };

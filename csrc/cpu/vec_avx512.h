@@ -113,4 +113,16 @@ struct VecAvx512 {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+
+  // Byte streaming (stream_read_impl.h): 64-byte loads; vpsadbw against zero sums each
+  // 8-byte group into a u64 lane (8 lanes).
+  using SB = __m512i;
+  static constexpr int kStreamBytes = 64;
+  static SB stream_zero() { return _mm512_setzero_si512(); }
+  static SB stream_add(SB acc, const uint8_t* p) {
+    return _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_loadu_si512(p), _mm512_setzero_si512()));
+  }
+  static uint64_t stream_total(SB acc) {
+    return static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
+  }
 };

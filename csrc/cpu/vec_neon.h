@@ -89,4 +89,14 @@ struct VecNeon {
   static void cvt_store(fp16_t* p, V v) {
     vst1_u16(reinterpret_cast<uint16_t*>(p), vreinterpret_u16_f16(vcvt_f16_f32(v)));
   }
+
+  // Byte streaming (stream_read_impl.h): 16-byte loads, widened pairwise u8 -> u16 -> u32
+  // and accumulated into two u64 lanes.
+  using SB = uint64x2_t;
+  static constexpr int kStreamBytes = 16;
+  static SB stream_zero() { return vdupq_n_u64(0); }
+  static SB stream_add(SB acc, const uint8_t* p) {
+    return vpadalq_u32(acc, vpaddlq_u16(vpaddlq_u8(vld1q_u8(p))));
+  }
+  static uint64_t stream_total(SB acc) { return vaddvq_u64(acc); }
 };

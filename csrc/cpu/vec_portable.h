@@ -91,4 +91,19 @@ struct VecPortable {
   static void cvt_store(fp16_t* p, V v) {
     for (int i = 0; i < 4; ++i) p[i].bits = float_to_fp16(v[i]);
   }
+
+  // Byte streaming (stream_read_impl.h): 16 bytes as two u64 words, each word's 8 bytes
+  // summed in-register (SWAR): byte pairs into four 16-bit fields (<= 510 each), then one
+  // multiply gathers the four fields' total (<= 2040) into bits 48..63.
+  typedef uint64_t SB __attribute__((vector_size(16)));
+  static constexpr int kStreamBytes = 16;
+  static SB stream_zero() { return SB{0, 0}; }
+  static SB stream_add(SB acc, const uint8_t* p) {
+    SB w;
+    std::memcpy(&w, p, sizeof(w));
+    const uint64_t low_bytes = 0x00FF00FF00FF00FFull;
+    const SB pairs = (w & low_bytes) + ((w >> 8) & low_bytes);
+    return acc + ((pairs * 0x0001000100010001ull) >> 48);
+  }
+  static uint64_t stream_total(SB acc) { return acc[0] + acc[1]; }
 };

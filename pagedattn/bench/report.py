@@ -143,14 +143,20 @@ def render_table(result: BenchResult) -> str:
     return "\n".join(out)
 
 
+def _stream_methods(result: BenchResult) -> str:
+    """The read(s) the run timed as its stream, e.g. ``stream_read/avx2``."""
+    names = dict.fromkeys(sr.stream_method for sr in result.scenarios if sr.stream_method)
+    return ", ".join(names) or "none timed"
+
+
 def render_notes(result: BenchResult) -> str:
     """Footnotes: the legend, unavailable contenders, WRONG/ERROR details."""
     notes = [
         "times: median per call; (Nx) = pagedattn's speed-up over that contender; "
         "* = fewer repeats than --repeat (time budget)",
         "% roof = roofline time / pagedattn time (memory: bytes / DRAM read bw; compute: "
-        "FLOPs / matmul peak); t/stream = pagedattn time / torch.sum over as many fresh bytes "
-        "(memory-bound rows)",
+        "FLOPs / matmul peak); t/stream = pagedattn time / a plain read "
+        f"({_stream_methods(result)}) of as many fresh bytes (memory-bound rows)",
     ]
     during = result.other_load_during_run
     threads = result.machine.threads
@@ -195,7 +201,7 @@ def to_json(result: BenchResult, argv: list[str] | None = None) -> dict:
             "scenario": sr.scenario.describe(), "copies": sr.copies,
             "roofline": roofline(sr, result.machine),
             "stream": {"times_s": list(sr.stream_times_s), "median_s": sr.stream_median_s,
-                       "bytes": sr.stream_bytes},
+                       "bytes": sr.stream_bytes, "method": sr.stream_method},
             "results": cells,
         })
     doc = {

@@ -12,10 +12,13 @@ Timing protocol (per scenario x contender):
    whole budget is kept as the one sample, flagged).
 3. Every call of a scenario (warm-up or timed, of any contender) reads the next copy of
    a rotation ``1, 2, ..., copies - 1, 0, 1, ...``: the least recently read copy, evicted
-   from the LLC since, even when contenders alternate. For bandwidth-bound kinds a
-   ``torch.sum`` over as many fresh bytes (a slice of the KV pool for attention,
-   separate buffers for cache writes) is timed right after each timed call: the
-   scenario's stream time.
+   from the LLC since, even when contenders alternate. For bandwidth-bound kinds the
+   strongest plain read (:func:`pagedattn.bench.probes.stream_reader`: the native
+   ``stream_read``, else ``torch.sum``) of as many fresh bytes is timed right after each
+   timed call: the scenario's stream time. It reads the region of the KV pool half a
+   rotation ahead (:func:`~pagedattn.bench.scenarios.stream_offset`; separate buffers
+   for cache writes), so neither it nor the calls read bytes still in the LLC
+   (:func:`~pagedattn.bench.scenarios.copies_for`).
 
 Reported times are medians of the repeats.
 """
@@ -36,7 +39,7 @@ from pagedattn.bench import probes
 from pagedattn.bench.contenders import CONTENDERS, Contender, Prepared
 from pagedattn.bench.scenarios import (
     KV_DTYPES, SUITES, Scenario, ScenarioInputs, build_inputs, copies_for, select_scenarios,
-    with_kv_dtype,
+    stream_offset, stream_regions, with_kv_dtype,
 )
 
 STATUSES = ("ok", "wrong", "unavailable", "unsupported", "error")
@@ -132,6 +135,7 @@ class ScenarioResult:
     cells: dict[str, Cell]
     stream_times_s: list[float] = field(default_factory=list)
     stream_bytes: int = 0
+    stream_method: str = ""  # the read timed as the stream (probes.stream_reader)
 
     @property
     def stream_median_s(self) -> float | None:
@@ -495,16 +499,19 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
         copies = copies_for(s, machine.llc_bytes)
         inputs = build_inputs(s, copies)
         checker = _Checker(inputs)
-        stream, stream_bytes = None, 0
+        stream, stream_bytes, stream_method = None, 0, ""
         if s.kind in BANDWIDTH_KINDS:
+            stream_method, read = probes.stream_reader()
             if s.kind == "reshape_and_cache":  # the pool is written to: own buffers
-                views = list(probes.stream_buffers(s.bytes_moved(), copies))
-            else:  # the KV is read-only: stream the pool's own bytes, copy by copy
-                views = probes.stream_views(inputs.kv_cache, s.kv_bytes(), copies)
-            stream_bytes = views[0].numel() * 4
+                regions = [(b,) for b in probes.stream_buffers(s.bytes_moved(), copies)]
+            else:  # the KV is read-only: stream the pool's own bytes, region by region
+                regions = stream_regions(inputs)
+            stream_bytes = sum(t.numel() * t.element_size() for t in regions[0])
+            ahead = stream_offset(copies)
 
-            def stream(copy: int, views=views) -> None:
-                views[copy].sum()
+            def stream(copy: int, regions=regions, read=read, ahead=ahead) -> None:
+                for part in regions[(copy + ahead) % len(regions)]:
+                    read(part)
         cells: dict[str, Cell] = {}
         stream_times: list[float] = []
         rotation = _CopyRotation(copies)
@@ -529,7 +536,8 @@ def run_bench(opts: BenchOptions, *, scenarios: list[Scenario] | None = None, lo
             cell.wall_s = time.perf_counter() - t0
             cells[name] = cell
             stream_times += st
-        results.append(ScenarioResult(s, copies, cells, stream_times, stream_bytes))
+        results.append(ScenarioResult(s, copies, cells, stream_times, stream_bytes,
+                                      stream_method))
         del inputs, checker, stream
         gc.collect()
     progress.close()
@@ -589,6 +597,5 @@ def log_machine(machine: probes.MachineLimits, log) -> None:
     flops = ", ".join(f"{k} {v:,.0f}" for k, v in machine.matmul_gflops.items())
     log(f"machine   {machine.cpu_model}, {machine.logical_cores} cores, {machine.threads} threads, "
         f"LLC {machine.llc_bytes >> 20} MiB")
-    log(f"limits    DRAM read {machine.dram_read_gbps:.1f} GB/s (torch.sum, "
-        f"{machine.probe_bytes >> 20} MiB); matmul peak GFLOP/s: {flops}  [{src} "
-        f"{machine.measured_at}; --remeasure to redo]")
+    log(f"limits    DRAM read {machine.dram_read_gbps:.1f} GB/s ({machine.bandwidth_note()}); "
+        f"matmul peak GFLOP/s: {flops}  [{src} {machine.measured_at}; --remeasure to redo]")

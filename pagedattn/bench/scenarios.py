@@ -6,10 +6,13 @@ A :class:`Scenario` is one row of the ``pagedattn bench`` table. Its inputs are 
 
 Why several copies of the KV: a decode step reads every KV byte exactly once, so timing
 the same cache over and over measures the last-level cache, not DRAM. ``build_inputs``
-lays out ``copies`` independent copies of the batch's KV in one paged pool (each copy has
-its own random block table) with a total size of a few times the LLC, and the runner
-rotates over them: call ``i`` reads copy ``i % copies``, which was evicted since its last
-use.
+lays out ``copies`` independent copies of the batch's KV in one paged pool, copy ``c`` in
+its own region of the pool (its blocks in random order inside it, its own block table),
+and the runner rotates over them: call ``i`` reads copy ``i % copies``. After each timed
+call the runner also streams a region (the ``t/stream`` column), half a rotation ahead
+(:func:`stream_offset`), so the stream never reads what a call just read nor a call what
+the stream just read: :func:`copies_for` makes at least 2x the LLC of other bytes pass
+between two reads of any byte (:func:`reuse_gaps`), whatever the LLC.
 """
 
 from __future__ import annotations
@@ -311,21 +314,68 @@ class ScenarioInputs:
     def value_cache(self) -> torch.Tensor:
         return self.kv_cache[1]
 
+    def copy_region(self, copy: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy ``copy``'s region of the pool, its K blocks and its V blocks: two
+        contiguous ``[blocks_per_copy, num_kv_heads, block_size, head_size]`` views, every
+        block its block table uses and no other."""
+        if not 0 <= copy < self.copies:
+            raise ValueError(f"copy must be in [0, {self.copies}), got {copy}")
+        per_copy = (self.kv_cache.shape[1] - 1) // self.copies
+        lo = 1 + copy * per_copy
+        return self.kv_cache[0, lo:lo + per_copy], self.kv_cache[1, lo:lo + per_copy]
+
     @property
     def scale(self) -> float:
         return self.scenario.head_size ** -0.5
 
 
-def copies_for(scenario: Scenario, llc_bytes: int, *, factor: int = 3, max_copies: int = 64) -> int:
-    """How many KV copies make the rotation exceed ``factor`` x the LLC (at least 2).
+REUSE_LLC_MULTIPLE = 2
+"""Bytes read between two reads of the same KV byte in the timed loop, in LLCs, at least:
+with LRU-like replacement one LLC already evicts it, the second is margin."""
+MAX_COPIES = 4096
+"""A bound on the rotation for toy scenarios (a few KiB of KV against a large LLC)."""
+
+
+def stream_offset(copies: int) -> int:
+    """The runner streams region ``(c + stream_offset(copies)) % copies`` right after a
+    call on copy ``c``: half a rotation ahead, the call's reads first when it cannot be
+    exactly half (:func:`reuse_gaps`)."""
+    return copies // 2 + 1
+
+
+def reuse_gaps(copies: int, copy_bytes: int) -> tuple[int, int]:
+    """Bytes read between two reads of the same byte in the timed loop, at least:
+    ``(for the calls' reads, for the stream's)``, when each call reads its copy's region
+    and each stream the region :func:`stream_offset` ahead, every read ``copy_bytes`` (or
+    more: a region is whole blocks).
+
+    With ``h = stream_offset(copies)`` (taken in ``1..copies``) the loop is
+    ``K0 S(h) K1 S(1+h) K2 ...``; region ``r`` is streamed after call ``r - h``, so
+    ``2h - 2`` reads pass between that stream and call ``r`` reading it, and
+    ``2 (copies - h)`` between call ``r`` and the next stream of ``r``. Example, 3 copies
+    (h = 2): ``K0 S2 K1 S0 K2 S1 K0``: two reads (S2 K1) between K0 and S0, two (K2 S1)
+    between S0 and K0. Two copies cannot keep both apart: one gap is 0.
+    """
+    h = stream_offset(copies) % copies or copies
+    return (2 * h - 2) * copy_bytes, 2 * (copies - h) * copy_bytes
+
+
+def copies_for(scenario: Scenario, llc_bytes: int, *, max_copies: int = MAX_COPIES) -> int:
+    """How many KV copies the rotation needs: for the bandwidth-bound kinds (decode, mixed,
+    cache writes) the fewest, at least 3, with both :func:`reuse_gaps` at least
+    ``REUSE_LLC_MULTIPLE`` x the LLC, so every byte a call or the stream reads comes from
+    DRAM (at most ``max_copies``). An odd count keeps both gaps at ``copies - 1`` reads,
+    so ``copies = 2 * ceil(LLC / kv_bytes) + 1``. Example:
+    decode b1 c512 (2 MiB of KV) with a 480 MiB LLC needs 481 copies (a 962 MiB pool),
+    b8 c2048 (64 MiB) with a 32 MiB LLC needs 3.
 
     Prefill is compute-bound (each KV byte is reused by every query row), so where its
     KV sits does not matter and two copies suffice.
     """
     if scenario.kind == "prefill":
         return 2
-    need = math.ceil(factor * llc_bytes / max(1, scenario.kv_bytes()))
-    return max(2, min(max_copies, need))
+    need = -(-REUSE_LLC_MULTIPLE * llc_bytes // (2 * max(1, scenario.kv_bytes())))
+    return max(3, min(max_copies, 2 * need + 1))
 
 
 def _random_fill(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
@@ -370,10 +420,13 @@ def build_inputs(scenario: Scenario, copies: int, *, seed: int = 0) -> ScenarioI
     kv_cache = _random_fill(shape, s.torch_dtype, gen,
                             store_as=s.cache_torch_dtype if s.is_fp8 else None, scale=s.kv_scale)
 
-    physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    # Copy c owns region c, blocks [1 + c * per_copy, 1 + (c + 1) * per_copy), in random
+    # order: the runner streams whole regions (ScenarioInputs.copy_region).
+    physical = torch.cat([torch.randperm(per_copy, generator=gen) + 1 + c * per_copy
+                          for c in range(copies)]).tolist()
     block_tables = []
     for c in range(copies):
-        # Copy c's requests take consecutive runs of its share of the shuffled pool.
+        # Copy c's requests take consecutive runs of its shuffled region.
         runs = paging.contiguous_block_tables(s.seq_lens, bs, first_block=c * per_copy)
         block_tables.append(paging.pad_block_tables(
             [[physical[i] for i in run] for run in runs]))
@@ -396,6 +449,14 @@ def build_inputs(scenario: Scenario, copies: int, *, seed: int = 0) -> ScenarioI
             inputs.new_keys.append(kv[0])
             inputs.new_values.append(kv[1])
     return inputs
+
+
+def stream_regions(inputs: ScenarioInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every copy's region (:meth:`ScenarioInputs.copy_region`) as two flat fp32 views of
+    its bytes, for the stream reads (reinterpreted: ``torch.sum`` has no fp8 kernel; a
+    block is a multiple of 4 bytes)."""
+    return [tuple(part.reshape(-1).view(torch.float32) for part in inputs.copy_region(c))
+            for c in range(inputs.copies)]
 
 
 def contiguous_kv(inputs: ScenarioInputs, copy: int, request_ids: list[int] | None = None

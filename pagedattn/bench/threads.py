@@ -1,5 +1,5 @@
 """Contenders with a fixed thread count, for thread-scaling rows: pagedattn itself, and
-a ``torch.sum`` probe over the scenario's KV bytes (how far the memory itself scales).
+the runner's stream read over the scenario's KV bytes (how far the memory itself scales).
 
 They time the very same inputs as the other columns, in the same loop, so "N threads vs
 1 thread" is a side-by-side ratio rather than two separate runs. They are *not*
@@ -15,7 +15,7 @@ import torch
 
 from pagedattn.bench import probes
 from pagedattn.bench.contenders import Contender, PagedattnContender, Prepared
-from pagedattn.bench.scenarios import Scenario, ScenarioInputs
+from pagedattn.bench.scenarios import Scenario, ScenarioInputs, stream_regions
 from pagedattn.checks import require_int
 
 
@@ -78,9 +78,10 @@ class PinnedThreadsContender(_PinnedContender):
 
 
 class PinnedStreamContender(_PinnedContender):
-    """The runner's stream probe (``torch.sum`` over a slice of the KV pool as large as a
-    copy's KV, one slice per copy) under ``threads`` threads, on ``scenarios`` only. Its
-    median against the scenario's stream time (taken at the run's thread count after
+    """The runner's stream read (:func:`~pagedattn.bench.probes.stream_reader`: the
+    native ``stream_read``, else ``torch.sum``) of a copy's region of the KV pool under
+    ``threads`` threads, on ``scenarios`` only; named ``stream@<threads>t``. Its median
+    against the scenario's stream time (the same read at the run's thread count after
     every call) is the memory's own scaling, measured in the same loop as pagedattn's.
     It computes no attention, so it is not checked."""
 
@@ -89,14 +90,17 @@ class PinnedStreamContender(_PinnedContender):
 
     def __init__(self, threads: int, scenarios: set[str] | None = None):
         super().__init__(threads, scenarios)
-        self.name = f"torch.sum@{threads}t"
-        self.description = f"torch.sum over the scenario's KV bytes on {threads} thread(s)"
+        self.name = f"stream@{threads}t"
+        self.description = (f"{probes.stream_reader()[0]} over the scenario's KV bytes on "
+                             f"{threads} thread(s)")
 
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
-        views = probes.stream_views(inputs.kv_cache, inputs.scenario.kv_bytes(), inputs.copies)
+        regions = stream_regions(inputs)
+        _, read = probes.stream_reader()
         n = self.threads
 
         def run(copy: int) -> None:
             with num_threads(n):
-                views[copy].sum()
+                for part in regions[copy]:
+                    read(part)
         return Prepared(run)

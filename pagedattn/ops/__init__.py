@@ -52,6 +52,7 @@ __all__ = [
     "LINEAR_PANEL", "PACKED_LINEAR_DTYPES", "pack_linear_weight", "packed_linear",
     "dpbf16_linear_available", "pack_linear_weight_dpbf16", "packed_linear_dpbf16",
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
+    "stream_read",
 ]
 
 _warned_fallback = False
@@ -499,3 +500,40 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         _fallback("rotary_embedding").rotary_embedding(positions, query, key, cos_sin_cache)
         return
     torch.ops.pagedattn.rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+# ------------------------------------------------------------------ memory streaming
+
+
+def stream_read(buf: torch.Tensor) -> int:
+    """Read every byte of ``buf`` once, as fast as this machine reads memory, and return
+    the sum of its bytes (each an unsigned 8-bit integer, whatever ``buf``'s dtype; exact
+    below 2**55 bytes).
+
+    The read runs on ``torch.get_num_threads()`` threads, one contiguous range each, with
+    the widest loads of the ISA in use (64-byte AVX-512, 32-byte AVX2, 16-byte NEON or
+    portable) and nothing but a byte sum per load: the bench's DRAM roof
+    (:mod:`pagedattn.bench.probes`). The sum depends on every byte, so no load can be
+    skipped.
+
+    Args:
+        buf: a non-empty, contiguous CPU tensor of any dtype (``buf.nbytes`` bytes read).
+
+    Raises TypeError when ``buf`` is no tensor, ValueError when it is not on the CPU, not
+    contiguous or empty. Without the native extension, the reference
+    (:func:`pagedattn.ops.reference.stream_read`) gives the same sum, at PyTorch's speed.
+    """
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"buf must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.device.type != "cpu":
+        raise ValueError(f"buf must be a CPU tensor, got device {buf.device}")
+    if buf.layout != torch.strided:
+        raise ValueError(f"buf must be a dense (strided) tensor, got layout {buf.layout}")
+    if buf.numel() == 0:
+        raise ValueError(f"buf must be non-empty, got shape {tuple(buf.shape)}")
+    if not buf.is_contiguous():
+        raise ValueError(f"buf must be contiguous, got shape {tuple(buf.shape)} with strides "
+                         f"{buf.stride()} (call .contiguous() first)")
+    if not native_available():
+        return _fallback("stream_read").stream_read(buf)
+    return int(torch.ops.pagedattn.stream_read(buf))

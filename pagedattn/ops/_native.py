@@ -92,3 +92,7 @@ if AVAILABLE:
     @torch.library.register_fake("pagedattn::rotary_embedding")
     def _rotary_embedding_fake(positions, query, key, cos_sin_cache):
         return None
+
+    @torch.library.register_fake("pagedattn::stream_read")
+    def _stream_read_fake(buf):
+        return buf.new_empty((), dtype=torch.int64)

@@ -594,3 +594,12 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         x1, x2 = t[..., :half].clone(), t[..., half:].clone()
         t[..., :half] = x1 * cos + (-x2) * sin
         t[..., half:] = x2 * cos + x1 * sin
+
+
+# ------------------------------------------------------------------ memory streaming
+
+
+def stream_read(buf: torch.Tensor) -> int:
+    """The sum of ``buf``'s bytes, each read as an unsigned 8-bit integer (whatever
+    ``buf``'s dtype): what :func:`pagedattn.ops.stream_read` returns, computed plainly."""
+    return int(buf.reshape(-1).view(torch.uint8).sum(dtype=torch.int64))
