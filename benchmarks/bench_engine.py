@@ -23,10 +23,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_workloads import COLUMNS, measure, workloads  # noqa: E402
+from engine_workloads import COLUMNS, PEER_DTYPE_HELP, measure, peer_dtype, workloads  # noqa: E402
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
-from pagedattn.engine.args import native_half_matmul  # noqa: E402
 from pagedattn.models.layers import PagedAttention  # noqa: E402
 from pagedattn.models.loader import resolve_model  # noqa: E402
 
@@ -145,11 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the HF copy of the model for vLLM is written (default "
                         "~/.cache/pagedattn/<model>-hf)")
     p.add_argument("--peer-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                   help="dtype of the transformers and vLLM peers; auto: --dtype, except "
-                        "float32 for a bfloat16 run on a CPU without a native bf16 GEMM "
-                        "(there torch's bf16 matmuls are ~100x slower than fp32: a peer "
-                        "is measured the fastest way it runs, as pagedattn's engine keeps "
-                        "its linear layers fp32 there too)")
+                   help=PEER_DTYPE_HELP)
     p.add_argument("--linear-impl", choices=["auto", "packed", "torch"], default="auto",
                    help="pagedattn's linear layers (auto: the path measured fastest per layer "
                         "shape and row count on this machine)")
@@ -157,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     peers = [x.strip() for x in args.peers.split(",") if x.strip()]
-    if args.peer_dtype == "auto":
-        args.peer_dtype = ("float32" if args.dtype == "bfloat16" and not native_half_matmul()
-                           else args.dtype)
+    args.peer_dtype = peer_dtype(args.peer_dtype, args.dtype)
     dtype = getattr(torch, args.peer_dtype)
     hf_dir = args.hf_dir or os.path.expanduser(f"~/.cache/pagedattn/{args.model}-hf")
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_workloads import workloads  # noqa: E402
+from engine_workloads import PEER_DTYPE_HELP, peer_dtype, workloads  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -144,6 +144,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--peer-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help=PEER_DTYPE_HELP)
     p.add_argument("--clients", default="1,4,32", help="comma-separated client counts")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens (default W2's 128)")
     p.add_argument("--one-client-prompts", type=int, default=4,
@@ -155,6 +157,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args()
     client_counts = [int(c) for c in args.clients.split(",")]
+    args.peer_dtype = peer_dtype(args.peer_dtype, args.dtype)
 
     from pagedattn import LLM
     from pagedattn.models.loader import resolve_model
@@ -165,7 +168,8 @@ def main() -> int:
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
     prompts, n = workloads(llm.tokenizer)["W2"]
     n = args.max_tokens or n
-    print(f"W2: {len(prompts)} prompts, {n} new tokens each (EOS ignored), greedy")
+    print(f"W2: {len(prompts)} prompts, {n} new tokens each (EOS ignored), greedy; "
+          f"pagedattn {args.dtype}, vLLM's server {args.peer_dtype}")
     off = offline(llm, prompts, n)
     del llm  # the servers get the machine to themselves
     print(f"offline LLM.generate: {off['tok_s']:.1f} tok/s; TTFT of one prompt alone "
@@ -190,7 +194,7 @@ def main() -> int:
                 "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         peers.append(("vllm", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                               "--model", hf_dir, "--dtype", "bfloat16", "--host", HOST,
+                               "--model", hf_dir, "--dtype", args.peer_dtype, "--host", HOST,
                                "--port", str(port), "--max-model-len", "4096",
                                "--no-enable-prefix-caching"], venv, port, hf_dir))
     print(f"{'server':<10} {'clients':>7} {'tok/s':>8} {'x offline':>9} {'TTFT p50':>9} "

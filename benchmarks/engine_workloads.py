@@ -45,6 +45,22 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(prompt, add_special_tokens=False).input_ids
 
 
+PEER_DTYPE_HELP = ("dtype of the peers (transformers, vLLM); auto: pagedattn's dtype, except "
+                   "float32 for a bfloat16 run on a CPU without a native bf16 GEMM (there "
+                   "torch's bf16 matmuls are ~100x slower than fp32: a peer is measured the "
+                   "fastest way it runs, as pagedattn's engine keeps its linear layers fp32 "
+                   "there too)")
+
+
+def peer_dtype(requested: str, dtype: str) -> str:
+    """The peers' dtype name for ``--peer-dtype requested`` next to pagedattn's ``dtype``."""
+    if requested != "auto":
+        return requested
+    from pagedattn.engine.args import native_half_matmul
+
+    return "float32" if dtype == "bfloat16" and not native_half_matmul() else dtype
+
+
 def workloads(tokenizer, scale: float = 1.0) -> dict[str, tuple[list[list[int]], int]]:
     """``name -> (prompts as token ids, new tokens per prompt)``; ``scale`` < 1 shrinks
     the prompt counts, lengths and outputs for a quick run."""
