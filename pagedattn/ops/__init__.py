@@ -508,7 +508,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def stream_read(buf: torch.Tensor) -> int:
     """Read every byte of ``buf`` once, as fast as this machine reads memory, and return
     the sum of its bytes (each an unsigned 8-bit integer, whatever ``buf``'s dtype; exact
-    below 2**55 bytes).
+    below 2**56 bytes, as the native sum is).
 
     The read runs on ``torch.get_num_threads()`` threads, one contiguous range each, with
     the widest loads of the ISA in use (64-byte AVX-512, 32-byte AVX2, 16-byte NEON or
