@@ -649,16 +649,25 @@ def test_a_vllm_library_file_named_explicitly_is_the_one_loaded(tmp_path):
     assert out.stdout.strip() == str(others[0])
 
 
-def test_flex_that_cannot_compile_is_unavailable_with_the_reason(monkeypatch):
-    flex = contenders_mod.FlexContender()
-    monkeypatch.setattr(contenders_mod.FlexContender, "_probe_error", None)
+def test_flex_that_cannot_compile_fails_its_rows_with_the_reason_compiling_once(
+        monkeypatch, capsys, fake_limits):
+    monkeypatch.setattr(contenders_mod.FlexContender, "_compile_error", "")
+    compiles = []
 
-    def broken():
+    def broken(*args, **kwargs):
+        compiles.append(args[0].shape)
         raise RuntimeError("inductor: no CPU lowering\nlong trace")
-    monkeypatch.setattr(contenders_mod.FlexContender, "_flex", staticmethod(broken))
+    monkeypatch.setattr(contenders_mod.FlexContender, "_flex", staticmethod(lambda: broken))
     monkeypatch.setattr(contenders_mod.shutil, "which", lambda name: "/usr/bin/" + name)
-    assert flex.unavailable_reason() == ("torch.compile(flex_attention) fails on this build: "
-                                         "RuntimeError: inductor: no CPU lowering")
+    assert contenders_mod.FlexContender().unavailable_reason() is None  # no toy compile
+    code, out = _run(["--contenders", "flex", "--scenario", "decode,prefill",
+                      "--repeat", "1"], capsys)
+    assert code == 0
+    reason = ("torch.compile(flex_attention) fails on this build: "
+              "RuntimeError: inductor: no CPU lowering")
+    assert out.out.count(reason) == 2, out.out
+    assert "flex ERROR on decode-" in out.out and "flex ERROR on prefill-" in out.out
+    assert len(compiles) == 1  # the second row did not try again
 
 
 def test_load_from_other_processes_is_detected_and_warned_about():

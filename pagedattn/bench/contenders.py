@@ -188,7 +188,7 @@ def _sdpa(q, k, v, q_len, kv_len, scale, way: str = "fold"):
 
 def _fastest_gqa_way(inputs: ScenarioInputs, run_way) -> str:
     """Decode: "fold" (its advantage is large and stable). Prefill and mixed: each way
-    timed on copy 0 (best of 3 after a warm call), fastest wins; ``run_way(way, copy)``.
+    timed on copy 0 (best of 2 after a warm call), fastest wins; ``run_way(way, copy)``.
     The choice is kept on ``inputs`` for the other dense contender."""
     import time
 
@@ -201,7 +201,7 @@ def _fastest_gqa_way(inputs: ScenarioInputs, run_way) -> str:
     for way in GQA_WAYS:
         run_way(way, 0)
         t = float("inf")
-        for _ in range(3):
+        for _ in range(2):
             t0 = time.perf_counter()
             run_way(way, 0)
             t = min(t, time.perf_counter() - t0)
@@ -358,33 +358,24 @@ class FlexContender(Contender):
                    "block mask aligned bottom-right")
 
     _compiled = None
-    _probe_error: str | None = None  # None: not probed yet; "": works
+    # The first compile's failure ("" before it or after a success): a torch build whose
+    # inductor cannot lower flex on CPU is reported by that row, and every later row
+    # fails fast with the same reason instead of compiling again.
+    _compile_error: str = ""
 
     def unsupported_reason(self, scenario: Scenario) -> str | None:
         return super().unsupported_reason(scenario) or _no_fp8(scenario)
 
     def unavailable_reason(self) -> str | None:
+        # No toy compile here: on a cold inductor cache each compile costs ~10 s on
+        # 2 cores, and the first real row surfaces a broken build just as well.
         try:
             from torch.nn.attention import flex_attention  # noqa: F401
         except Exception as exc:
             return f"torch {torch.__version__} has no FlexAttention ({exc})"
         if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
             return "torch.compile needs a C++ compiler on PATH for the CPU backend"
-        if FlexContender._probe_error is None:
-            # Compile one toy call: a torch build whose inductor cannot lower flex on CPU
-            # is reported here once, not as an ERROR on every row. Most of the one-off
-            # compile cost is paid here either way.
-            try:
-                q = torch.zeros(1, 2, 16, 16)
-                self._flex()(q, torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16, 16),
-                             enable_gqa=True)
-                FlexContender._probe_error = ""
-            except Exception as exc:
-                first = (str(exc).strip().splitlines() or [""])[0][:160]
-                FlexContender._probe_error = (
-                    f"torch.compile(flex_attention) fails on this build: "
-                    f"{type(exc).__name__}: {first}")
-        return FlexContender._probe_error or None
+        return None
 
     @classmethod
     def _flex(cls):
@@ -439,6 +430,16 @@ class FlexContender(Contender):
 
         def run(copy: int) -> torch.Tensor:
             return plan.attend(attention, lambda g, c: kv[g][c], copy)
+
+        if FlexContender._compile_error:
+            raise RuntimeError(FlexContender._compile_error)
+        try:
+            run(0)  # the compile, so that a failure is recorded once
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            FlexContender._compile_error = (f"torch.compile(flex_attention) fails on this "
+                                            f"build: {type(exc).__name__}: {first}")
+            raise RuntimeError(FlexContender._compile_error) from exc
         note = ("" if group == 1 else "GQA decode: query heads folded into the query rows"
                 if s.kind == "decode" else "GQA prefill: flex's enable_gqa")
         return Prepared(run, note=note)
