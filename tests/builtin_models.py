@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 
@@ -46,3 +47,28 @@ def model_file_cache():
 needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason=f"smollm2 is not installed: {SMOLLM2_WHY}")
 needs_minilm = pytest.mark.skipif(MINILM is None, reason=f"minilm is not installed: {MINILM_WHY}")
 needs_gemma3 = pytest.mark.skipif(GEMMA3 is None, reason=f"gemma3 is not installed: {GEMMA3_WHY}")
+
+
+@functools.cache
+def hf_gguf_causal_lm(path: str, dtype_name: str = "float32"):
+    """transformers' model of a built-in GGUF (``Gemma3ForCausalLM``, ``LlamaForCausalLM``)
+    in ``dtype_name``, loaded once per test session: transformers takes ~25 s per GGUF load
+    on 2 cores, and three test files compare against SmolLM2's. Shared: callers must not
+    modify it. The bf16 model is the fp32 one with its parameters rounded to bf16, which is
+    what ``from_pretrained(dtype=torch.bfloat16)`` does with the dequantised tensors; its
+    buffers (RoPE frequencies) stay fp32, as transformers computes them."""
+    import copy
+
+    import torch
+    import transformers
+
+    if dtype_name != "float32":
+        model = copy.deepcopy(hf_gguf_causal_lm(path))
+        for param in model.parameters():
+            param.data = param.data.to(getattr(torch, dtype_name))
+        model.config.dtype = getattr(torch, dtype_name)
+        return model.eval()
+    folder, file = os.path.split(path)
+    with model_file_cache():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=file, dtype=torch.float32).eval()

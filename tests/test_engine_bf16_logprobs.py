@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers", reason="the model tests need 
 from pagedattn import LLM  # noqa: E402
 from pagedattn.backend import CommonAttentionMetadata  # noqa: E402
 
-from builtin_models import GEMMA3, SMOLLM2, model_file_cache, needs_gemma3, needs_smollm2  # noqa: E402
+from builtin_models import (GEMMA3, SMOLLM2, hf_gguf_causal_lm, model_file_cache,  # noqa: E402
+                            needs_gemma3, needs_smollm2)
 
 TEXTS = [
     "The capital of France is Paris. It is known for the Eiffel Tower and its museums, "
@@ -71,8 +72,7 @@ def reference(name: str) -> tuple[list[list[int]], list[torch.Tensor], float]:
         with model_file_cache():
             tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
         seqs = [tok(t).input_ids for t in TEXTS]
-        fp32, bf16 = (transformers.AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=file, dtype=dtype).eval() for dtype in (torch.float32, torch.bfloat16))
+        fp32, bf16 = (hf_gguf_causal_lm(MODELS[name], dtype) for dtype in ("float32", "bfloat16"))
         ref = [_hf_logprobs(fp32, s) for s in seqs]
         yardstick = _deviation([_hf_logprobs(bf16, s) for s in seqs], ref, seqs)
         _REFERENCES[name] = (seqs, ref, yardstick)

@@ -3,7 +3,6 @@ tokens as a bf16 cache wherever the next-token margin leaves room, and calibrate
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ transformers = pytest.importorskip("transformers", reason="the model tests need 
 from pagedattn import LLM, SamplingParams  # noqa: E402
 from pagedattn.models.layers import PagedAttention  # noqa: E402
 
-from builtin_models import SMOLLM2, needs_smollm2  # noqa: E402
+from builtin_models import SMOLLM2, hf_gguf_causal_lm, needs_smollm2  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -50,9 +49,7 @@ def bf16_run():
 def confident_prefix_lens(bf16_run):
     """Per prompt: how many leading generated tokens have a margin >= MARGIN."""
     llm, convs, tokens = bf16_run
-    folder, file = os.path.split(SMOLLM2)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
-                                                           dtype=torch.float32).eval()
+    ref = hf_gguf_causal_lm(SMOLLM2)
     lens = []
     for conv, out in zip(convs, tokens):
         text = llm.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)

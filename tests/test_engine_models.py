@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers", reason="the model tests need 
 from pagedattn import LLM, SamplingParams  # noqa: E402
 from pagedattn.cli import main  # noqa: E402
 
-from builtin_models import MINILM, SMOLLM2, needs_minilm, needs_smollm2  # noqa: E402
+from builtin_models import MINILM, SMOLLM2, hf_gguf_causal_lm, needs_minilm, needs_smollm2  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -34,13 +34,15 @@ def smollm2_fp32():
 
 
 @needs_smollm2
-def test_smollm2_greedy_matches_transformers(smollm2_fp32):
+@pytest.mark.parametrize("questions", [
+    pytest.param(QUESTIONS[:4], id="first-half"),
+    # transformers' token-by-token generate is ~4 s a question on 2 cores: half in the slow tier
+    pytest.param(QUESTIONS[4:], id="second-half", marks=pytest.mark.slow)])
+def test_smollm2_greedy_matches_transformers(smollm2_fp32, questions):
     llm = smollm2_fp32
-    folder, file = os.path.split(SMOLLM2)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
-                                                           dtype=torch.float32).eval()
+    ref = hf_gguf_causal_lm(SMOLLM2)
     tok = llm.tokenizer
-    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    convs = [[{"role": "user", "content": q}] for q in questions]
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     ties = []
     for conv, out in zip(convs, outs):
