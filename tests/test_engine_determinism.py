@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from pagedattn.engine.block_pool import hash_block
 
 SAMPLE_SCRIPT = textwrap.dedent("""
@@ -37,6 +39,7 @@ def _run(script: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # two fresh processes, each loading SmolLM2: ~25 s on 2 cores
 def test_same_seed_same_tokens_across_processes():
     first, second = (json.loads(_run(SAMPLE_SCRIPT)) for _ in range(2))
     assert first == second

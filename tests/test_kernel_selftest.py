@@ -14,6 +14,10 @@ import subprocess
 
 import pytest
 
+# Slow tier: the builds take ~30 s natively and ~12 s for aarch64 on 2 cores, and the fast
+# tier already checks every table this CPU runs through torch (test_cpu_ops.py).
+pytestmark = pytest.mark.slow
+
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 SOURCES = [CSRC / "selftest" / "kernel_selftest.cpp", *sorted(CSRC.glob("kernels_*.cpp"))]
 
