@@ -67,7 +67,8 @@ def test_smollm2_greedy_matches_transformers(smollm2_fp32, questions):
     assert len(ties) <= 1, f"too many near-tie divergences: {ties}"
     if ties:
         print(f"accepted near-tie divergences: {ties}")
-    assert "Paris" in outs[0].text
+    # A plain-words check next to the token equality: the answer names Paris.
+    assert all("Paris" in o.text for q, o in zip(questions, outs) if "France" in q)
 
 
 @needs_smollm2
