@@ -6,11 +6,10 @@ import argparse
 import os
 import sys
 
-# --quick leaves out the ``reference`` contender: it is the oracle every contender is
-# checked against, 10-140x slower than any peer, and timing it took ~10 s of the run.
+# --quick leaves out the reference contender (``is_reference``): it is the oracle every
+# contender is checked against, 10-140x slower than any peer, and timing it took ~10 s.
 QUICK = {"suite": "quick", "repeat": 5, "budget_s": 1.0, "probe_bytes": 256 << 20,
-         "matmul_size": 1536,
-         "contenders": ["pagedattn", "sdpa-contiguous", "gather+sdpa", "flex", "vllm"]}
+         "matmul_size": 1536, "time_reference": False}
 # Same probe sizes as --quick, so both runs share one cached measurement (256 MiB is
 # already 8x a 32 MiB LLC; 1536^3 matmuls saturate the BLAS on a few cores).
 FULL = {"suite": "default", "repeat": 9, "budget_s": 20.0, "probe_bytes": 256 << 20,
@@ -79,6 +78,16 @@ def _fail(parser: argparse.ArgumentParser | None, message: str) -> int:
     return 2
 
 
+def _default_contenders(preset: dict) -> list[str] | None:
+    """None (every registered contender), or every one but the reference for a preset
+    with ``time_reference`` False."""
+    if preset.get("time_reference", True):
+        return None
+    from pagedattn.bench.contenders import CONTENDERS
+
+    return [name for name, c in CONTENDERS.items() if not c.is_reference]
+
+
 def options_from_args(args: argparse.Namespace):
     """Build :class:`BenchOptions` (ValueError names the bad value and the valid ones)."""
     from pagedattn.bench.runner import BenchOptions
@@ -89,7 +98,7 @@ def options_from_args(args: argparse.Namespace):
     return BenchOptions(
         suite=suite,
         scenarios=_csv(args.scenario),
-        contenders=_csv(args.contenders) or preset.get("contenders"),
+        contenders=_csv(args.contenders) or _default_contenders(preset),
         repeat=args.repeat if args.repeat is not None else preset["repeat"],
         threads=args.threads,
         budget_s=args.budget if args.budget is not None else preset["budget_s"],
