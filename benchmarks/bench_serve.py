@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -155,6 +156,8 @@ def main() -> int:
     p.add_argument("--hf-dir", default=os.path.expanduser("~/.cache/pagedattn/smollm2-hf"),
                    help="where the Hugging Face copy of SmolLM2 for vLLM is made (once)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--serve-args", default="",
+                   help="extra options for pagedattn serve, e.g. '--max-num-batched-tokens 512'")
     args = p.parse_args()
     client_counts = [int(c) for c in args.clients.split(",")]
     args.peer_dtype = peer_dtype(args.peer_dtype, args.dtype)
@@ -181,7 +184,7 @@ def main() -> int:
     peers.append(("pagedattn", [sys.executable, "-m", "pagedattn", "serve", "--model",
                                 args.model, "--dtype", args.dtype, "--host", HOST,
                                 "--port", str(port), "--log-level", "warning",
-                                "--no-prefix-caching"],
+                                "--no-prefix-caching", *shlex.split(args.serve_args)],
                   env, port, args.model))
     if args.vllm_python:
         # vLLM reads no GGUF: the same converted checkpoint bench_engine.py gives it.

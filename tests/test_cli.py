@@ -35,3 +35,16 @@ def test_info_lists_the_gpu_backends_with_their_reasons(capsys):
     assert "device type cpu not supported (needs cuda)" in lines["XFORMERS_VLLM_V1"]
     if not __import__("torch").cuda.is_available():
         assert "TRITON_INTERPRET=1" in lines["TRITON_ATTN"]
+
+
+def test_serve_admits_shortest_first_in_small_steps_and_offline_keeps_fcfs():
+    from pagedattn.cli import build_parser
+    from pagedattn.engine.cli import engine_args
+
+    served = engine_args(build_parser().parse_args(["serve"]))
+    assert (served.scheduling_policy, served.max_num_batched_tokens) == ("shortest_first", 512)
+    offline = engine_args(build_parser().parse_args(["generate", "--prompt", "x"]))
+    assert (offline.scheduling_policy, offline.max_num_batched_tokens) == ("fcfs", 2048)
+    told = engine_args(build_parser().parse_args(
+        ["serve", "--scheduling-policy", "fcfs", "--max-num-batched-tokens", "2048"]))
+    assert (told.scheduling_policy, told.max_num_batched_tokens) == ("fcfs", 2048)

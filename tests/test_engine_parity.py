@@ -78,6 +78,8 @@ MODES = {
     "flash": dict(prefill_attention="flash"),
     "flash_chunked": dict(prefill_attention="flash", max_num_batched_tokens=16),
     "kernel": dict(prefill_attention="kernel"),
+    # The server's admission order: shortest prompt first, in small chunks.
+    "shortest_first": dict(scheduling_policy="shortest_first", max_num_batched_tokens=16),
 }
 
 

@@ -10,7 +10,8 @@ from pagedattn.engine.block_pool import BlockPool, KVCacheManager
 from pagedattn.engine.input_batch import InputBatch
 from pagedattn.engine.request import FinishReason, Request, RequestStatus
 from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.engine.scheduler import RequestRejectedError, Scheduler
+from pagedattn.engine.args import EngineArgs
+from pagedattn.engine.scheduler import MAX_PASSED_OVER, RequestRejectedError, Scheduler
 from pagedattn.paging import cdiv
 
 
@@ -118,10 +119,11 @@ def test_scheduler_respects_budget_and_puts_decodes_first(budget):
     assert kv.pool.num_free_blocks == 64
 
 
-def test_scheduler_is_fcfs_and_preempts_newest():
+@pytest.mark.parametrize("policy", ["fcfs", "shortest_first"])
+def test_scheduler_preempts_newest_and_serves_it_first_again(policy):
     bs = 4
     kv = KVCacheManager(num_blocks=6, block_size=bs, enable_prefix_caching=False)
-    sched = Scheduler(kv, max_num_batched_tokens=64, max_model_len=24)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_model_len=24, policy=policy)
     old, new = _req(0, list(range(8)), max_tokens=12), _req(1, list(range(8)), max_tokens=12)
     sched.add_request(old)
     sched.add_request(new)
@@ -134,6 +136,47 @@ def test_scheduler_is_fcfs_and_preempts_newest():
     assert preempted and set(preempted) == {"r1"}
     assert old.finish_time < new.finish_time
     assert len(new.output_token_ids) == 12 and new.num_preemptions >= 1
+
+
+def _admission_order(sched: Scheduler) -> list[str]:
+    order = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        order += [r for r in out.num_scheduled_tokens if r not in order]
+        sched.update(out, {r: 1 for r, k in out.num_scheduled_tokens.items()
+                           if out.requests[r].num_computed_tokens + k == out.requests[r].num_tokens})
+    return order
+
+
+@pytest.mark.parametrize("policy, expected", [("fcfs", ["r0", "r1", "r2", "r3"]),
+                                              ("shortest_first", ["r1", "r3", "r2", "r0"])])
+def test_policy_orders_admission(policy, expected):
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    sched = Scheduler(kv, max_num_batched_tokens=4, max_model_len=64, policy=policy)
+    for i, n in enumerate([12, 4, 8, 4]):  # shortest first: r1 and r3 tie, r1 came first
+        sched.add_request(_req(i, list(range(n)), max_tokens=2))
+    assert _admission_order(sched) == expected
+    assert kv.pool.num_free_blocks == 32
+
+
+def test_shortest_first_serves_a_long_prompt_once_passed_over_enough():
+    kv = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_batched_tokens=2, max_model_len=64, policy="shortest_first")
+    sched.add_request(_req(0, list(range(40)), max_tokens=1))
+    for i in range(1, MAX_PASSED_OVER + 4):  # a stream of 2-token prompts, one per step
+        sched.add_request(_req(i, [1, 2], max_tokens=1))
+    order = _admission_order(sched)
+    # each step admits one short prompt (the budget) until r0 was passed over enough
+    assert order.index("r0") == MAX_PASSED_OVER
+    assert len(order) == MAX_PASSED_OVER + 4
+
+
+def test_unknown_scheduling_policy_is_rejected():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match="fcfs, shortest_first, got 'lifo'"):
+        Scheduler(kv, max_num_batched_tokens=16, max_model_len=32, policy="lifo")
+    with pytest.raises(ValueError, match="scheduling_policy.*'sjf'"):
+        EngineArgs(scheduling_policy="sjf")
 
 
 def test_request_that_can_never_fit_is_rejected():

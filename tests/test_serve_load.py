@@ -18,6 +18,7 @@ import pytest
 from serve_helpers import BATCH_INVARIANT, async_client, expected_text, serve_in_thread, wait_idle
 
 from pagedattn import LLM, SamplingParams
+from pagedattn.serve.cli import SERVE_ENGINE_DEFAULTS
 
 openai = pytest.importorskip("openai")
 
@@ -43,7 +44,8 @@ def setup():
     refs = {("text", t): o.token_ids for t, o in zip(TEXTS, ref.generate(TEXTS, sp))}
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     refs.update({("chat", q): o.token_ids for q, o in zip(QUESTIONS, ref.chat(convs, sp))})
-    with serve_in_thread(LLM(model="smollm2", **BATCH_INVARIANT)) as (url, app):
+    with serve_in_thread(LLM(model="smollm2", **BATCH_INVARIANT, **SERVE_ENGINE_DEFAULTS)) \
+            as (url, app):
         yield url, app, ref, refs
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from pagedattn.checks import is_int, require_int
+from pagedattn.engine.scheduler import SCHEDULING_POLICIES
 from pagedattn.ops import reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,6 +102,10 @@ class EngineArgs:
         max_model_len: longest request (prompt + output); default the model's context,
             capped at what ``kv_cache_memory`` holds.
         max_num_seqs: most requests running at once.
+        scheduling_policy: the order waiting requests are admitted in: ``"fcfs"`` (first
+            come first served) or ``"shortest_first"`` (fewest prompt tokens left first,
+            with aging; lowers the median time to first token under bursts). See
+            :mod:`pagedattn.engine.scheduler`.
         seed: seeds the sampling of requests that bring no seed of their own.
         skip_tokenizer_init: no tokenizer (prompts must be token-id lists).
     """
@@ -119,6 +124,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"
     seed: int = 0
     skip_tokenizer_init: bool = False
 
@@ -141,6 +147,9 @@ class EngineArgs:
         set_("kv_cache_memory", parse_bytes(self.kv_cache_memory))
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             require_int(name, getattr(self, name), 1)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         require_int("seed", self.seed, 0)
         if self.max_model_len is not None:
             require_int("max_model_len", self.max_model_len, 1)

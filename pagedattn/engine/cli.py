@@ -12,6 +12,7 @@ from pagedattn.engine.args import (
     PREFILL_ATTENTION,
     EngineArgs,
 )
+from pagedattn.engine.scheduler import SCHEDULING_POLICIES
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloat16") -> None:
@@ -40,6 +41,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
                    help="KV cache pool size, e.g. 512MiB, 2GiB")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                   default=EngineArgs.scheduling_policy,
+                   help="order of admission of waiting requests (shortest_first: fewest "
+                        "prompt tokens first, with aging)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
 
@@ -51,7 +56,8 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   linear_dtype=args.linear_dtype, prefill_attention=args.prefill_attention, backend=args.backend, block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
+                  max_model_len=args.max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching)
     return EngineArgs(**{**fields, **overrides})
 
@@ -66,8 +72,10 @@ def describe_engine(llm) -> str:
     prefill = f" ({eng.attention.prefill_plan})" if eng is not None and \
         eng.attention.prefill_plan else ""
     act = str(llm.act_dtype).removeprefix("torch.")
+    sched = f", scheduler {a.scheduling_policy} ({a.max_num_batched_tokens} tokens a step)" \
+        if eng is not None else ""
     return (f"model {a.model}, dtype {str(a.dtype).removeprefix('torch.')}, linear "
-            f"{a.linear_impl} ({act} activations), attention {backend}{prefill}{kv}")
+            f"{a.linear_impl} ({act} activations), attention {backend}{prefill}{kv}{sched}")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:

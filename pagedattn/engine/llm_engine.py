@@ -65,7 +65,7 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, self.num_blocks * args.block_size)
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, args.max_num_batched_tokens, self.max_model_len,
-                                   args.max_num_seqs)
+                                   args.max_num_seqs, args.scheduling_policy)
         self.runner = ModelRunner(loaded.model, self.attention, num_blocks=self.num_blocks,
                                   max_model_len=self.max_model_len,
                                   max_num_seqs=args.max_num_seqs, seed=args.seed)

@@ -49,6 +49,8 @@ class Request:
     """Leading blocks already registered in the prefix cache."""
     num_prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    num_passed_over: int = 0
+    """Times a younger request was admitted before this one (the scheduler's aging)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -2,9 +2,18 @@
 
 Continuous batching under a per-step token budget: requests join and leave the running
 set between steps. Each step it serves, in order, the running decodes (one token each),
-the running chunked prefills, then waiting requests first come first served (a waiting
-request that does not fit blocks the ones behind it). A prefill longer than the budget
-left is cut into chunks over several steps. When the pool runs out of blocks, the most
+the running chunked prefills, then waiting requests in the order of the scheduling policy
+(a waiting request that does not fit blocks the others). A prefill longer than the budget
+left is cut into chunks over several steps.
+
+Policies for the waiting queue: ``fcfs``, first come first served; ``shortest_first``,
+the request with the fewest tokens left to prefill first, ties first come first served.
+Shortest-first is what a server under bursts wants: when many prompts arrive at once,
+each prompt's first token waits for the prefill of every prompt admitted before it, so
+serving short ones first lowers the median time to first token at no cost in throughput
+(the same tokens are computed). A request passed over ``MAX_PASSED_OVER`` times (a
+younger one admitted before it) is served next whatever its length, so a long prompt
+under a stream of short ones still starts. A preempted request goes first under both. When the pool runs out of blocks, the most
 recently admitted running request is preempted: its blocks are freed and it goes back to
 the head of the queue, to be recomputed (prefix-cache hits make that cheap).
 """
@@ -17,6 +26,10 @@ from dataclasses import dataclass, field
 from pagedattn.checks import require_int
 from pagedattn.engine.block_pool import KVCacheManager
 from pagedattn.engine.request import FinishReason, Request, RequestStatus
+
+
+SCHEDULING_POLICIES = ("fcfs", "shortest_first")
+MAX_PASSED_OVER = 64
 
 
 class RequestRejectedError(ValueError):
@@ -38,7 +51,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_model_len: int,
-                 max_num_seqs: int = 256) -> None:
+                 max_num_seqs: int = 256, policy: str = "fcfs") -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {policy!r}")
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
             require_int(name, value, 1)
@@ -51,6 +67,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -90,12 +107,32 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
+        victim.num_passed_over = MAX_PASSED_OVER  # it goes first under every policy
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         out.num_scheduled_tokens.pop(victim.req_id, None)
         out.requests.pop(victim.req_id, None)
         out.preempted.append(victim.req_id)
         return victim
+
+    def _next_waiting(self) -> Request:
+        """The waiting request the policy admits next (the queue is in arrival order,
+        preempted requests at its head)."""
+        if self.policy == "fcfs":
+            return self.waiting[0]
+        for req in self.waiting:
+            if req.num_passed_over >= MAX_PASSED_OVER:
+                return req
+        return min(self.waiting, key=lambda r: r.num_tokens - r.num_computed_tokens)
+
+    def _admit(self, req: Request) -> None:
+        for older in self.waiting:
+            if older is req:
+                break
+            older.num_passed_over += 1
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -120,7 +157,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
         while self.waiting and budget > 0 and not out.preempted \
                 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            req = self._next_waiting()
             hits = self.kv.computed_blocks(req)
             remaining = req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size
             num_new = min(remaining, budget)
@@ -129,9 +166,7 @@ class Scheduler:
                     raise RuntimeError(  # unreachable given the start-up check
                         f"request {req.req_id!r} does not fit in an empty pool")
                 break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._admit(req)
             out.num_scheduled_tokens[req.req_id] = num_new
             out.requests[req.req_id] = req
             budget -= num_new
