@@ -41,7 +41,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def offline(llm, prompts: list[list[int]], n: int) -> dict[str, float]:
+def offline(llm, prompts: list[list[int]], n: int, one_client_prompts: int) -> dict[str, float]:
+    """The offline rate on every prompt, and the median TTFT of each of the prompts the
+    1-client run sends, alone (the same prompts: TTFT grows with the prompt)."""
     from pagedattn import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -50,7 +52,7 @@ def offline(llm, prompts: list[list[int]], n: int) -> dict[str, float]:
     outs = llm.generate(prompts, sp)
     wall = time.perf_counter() - t0
     ttfts = []
-    for p in prompts[:4]:
+    for p in prompts[:one_client_prompts]:
         t = time.perf_counter()
         llm.generate([p], SamplingParams(temperature=0, max_tokens=1))
         ttfts.append(time.perf_counter() - t)
@@ -173,7 +175,7 @@ def main() -> int:
     n = args.max_tokens or n
     print(f"W2: {len(prompts)} prompts, {n} new tokens each (EOS ignored), greedy; "
           f"pagedattn {args.dtype}, vLLM's server {args.peer_dtype}")
-    off = offline(llm, prompts, n)
+    off = offline(llm, prompts, n, args.one_client_prompts)
     del llm  # the servers get the machine to themselves
     print(f"offline LLM.generate: {off['tok_s']:.1f} tok/s; TTFT of one prompt alone "
           f"{off['ttft_1'] * 1e3:.1f} ms")
