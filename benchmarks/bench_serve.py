@@ -4,8 +4,9 @@ client), next to the offline engine on the same prompts, in the same run.
 Workload W2 of engine_workloads.py: 32 chat prompts of 20-200 tokens, 128 new tokens
 each, EOS ignored, greedy; prompts are sent as token ids so every peer sees the same
 tokens; prefix caching is off everywhere. Per client count: output tok/s (all tokens / wall time), TTFT and inter-token
-latency p50/p99. Offline: ``LLM.generate`` on all prompts (tok/s) and the TTFT of one
-prompt alone (the 1-client reference). With ``--vllm-python``, vLLM's OpenAI server
+latency p50/p99. Offline, measured again just before each server (this machine's speed
+drifts over minutes): ``LLM.generate`` on all prompts (tok/s) and the TTFT of each
+1-client prompt alone (the 1-client reference). With ``--vllm-python``, vLLM's OpenAI server
 (its CPU engine, no pagedattn plugin) gets the same client load.
 
     .venv/bin/python benchmarks/bench_serve.py                            # 1, 4, 32 clients
@@ -175,10 +176,6 @@ def main() -> int:
     n = args.max_tokens or n
     print(f"W2: {len(prompts)} prompts, {n} new tokens each (EOS ignored), greedy; "
           f"pagedattn {args.dtype}, vLLM's server {args.peer_dtype}")
-    off = offline(llm, prompts, n, args.one_client_prompts)
-    del llm  # the servers get the machine to themselves
-    print(f"offline LLM.generate: {off['tok_s']:.1f} tok/s; TTFT of one prompt alone "
-          f"{off['ttft_1'] * 1e3:.1f} ms")
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     peers = []
@@ -205,6 +202,11 @@ def main() -> int:
     print(f"{'server':<10} {'clients':>7} {'tok/s':>8} {'x offline':>9} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}   (ms)")
     for name, cmd, penv, pport, served in peers:
+        # Offline again right before each server: this machine's speed drifts over minutes,
+        # and "x offline" compares runs a minute apart, not five (the idle LLM costs no CPU).
+        off = offline(llm, prompts, n, args.one_client_prompts)
+        print(f"(offline LLM.generate just before: {off['tok_s']:.1f} tok/s; TTFT of each "
+              f"1-client prompt alone, median {off['ttft_1'] * 1e3:.1f} ms)")
         rows = run_peer(name, cmd, penv, pport, served, prompts, n, client_counts,
                         args.one_client_prompts)
         for c, r in rows.items():
