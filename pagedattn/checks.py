@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["is_int", "is_number", "require_int", "require_number"]
+__all__ = ["is_int", "is_number", "require_choice", "require_int", "require_number"]
 
 
 def is_int(value: Any, *, numpy: bool = False) -> bool:
@@ -72,3 +72,11 @@ def require_number(name: str, value: Any, *, error: type[Exception] = TypeError,
     if not is_number(value):
         raise error(f"{name} must be {expected}, got {value!r}")
     return float(value)
+
+
+def require_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else ValueError saying
+    ``"{name} must be one of a, b, got {value!r}"``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value

@@ -1,11 +1,12 @@
-"""pagedattn.checks: the one "an int, bools excluded" rule every layer's argument checks use."""
+"""pagedattn.checks: the one "an int, bools excluded" rule every layer's argument checks
+use, and the one "must be one of" message."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pagedattn.checks import is_int, is_number, require_int, require_number
+from pagedattn.checks import is_int, is_number, require_choice, require_int, require_number
 
 
 @pytest.mark.parametrize("value,plain,with_numpy", [
@@ -60,3 +61,24 @@ def test_require_number():
         require_number("top_p", True)
     with pytest.raises(ValueError, match="top_p must be a float, got 'x'"):
         require_number("top_p", "x", error=ValueError, expected="a float")
+
+
+def test_require_choice_returns_the_value_or_names_it_and_the_choices():
+    assert require_choice("mode", "b", ("a", "b")) == "b"
+    with pytest.raises(ValueError, match=r"^mode must be one of a, b, got 'c'$"):
+        require_choice("mode", "c", ("a", "b"))
+    with pytest.raises(ValueError, match=r"got \['a'\]"):
+        require_choice("mode", ["a"], ("a", "b"))
+
+
+@pytest.mark.parametrize("field, bad, allowed", [
+    ("kv_cache_dtype", "fp4", "auto, fp8"),
+    ("prefill_attention", "fast", "auto, kernel, flash"),
+    ("linear_impl", "blas", "auto"),
+    ("scheduling_policy", "lifo", "fcfs, shortest_first"),
+])
+def test_engine_args_name_the_bad_choice_and_the_allowed_ones(field, bad, allowed):
+    from pagedattn.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=f"{field} must be one of {allowed}.*got '{bad}'"):
+        EngineArgs(**{field: bad})

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pagedattn.checks import is_int, require_int
+from pagedattn.checks import is_int, require_choice, require_int
 from pagedattn.engine.scheduler import SCHEDULING_POLICIES
 from pagedattn.ops import reference
 
@@ -131,25 +131,19 @@ class EngineArgs:
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: normalise in place once, here
         set_("dtype", parse_dtype(self.dtype))
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
+        require_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError(f"calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}")
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales=True needs an fp8 kv_cache_dtype "
                              f"({', '.join(reference.FP8_CACHE_DTYPES)}), got 'auto'")
-        if self.prefill_attention not in PREFILL_ATTENTION:
-            raise ValueError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}, "
-                             f"got {self.prefill_attention!r}")
+        require_choice("prefill_attention", self.prefill_attention, PREFILL_ATTENTION)
         set_("linear_impl", _parse_linear_impl(self.linear_impl))
         set_("linear_dtype", self._resolve_linear_dtype())
         set_("kv_cache_memory", parse_bytes(self.kv_cache_memory))
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             require_int(name, getattr(self, name), 1)
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
+        require_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         require_int("seed", self.seed, 0)
         if self.max_model_len is not None:
             require_int("max_model_len", self.max_model_len, 1)
@@ -191,8 +185,7 @@ def _parse_linear_impl(linear_impl: str | None) -> str:
 
     if linear_impl is None:
         return "auto" if ops.native_available() else "torch"
-    if linear_impl not in LINEAR_IMPLS:
-        raise ValueError(f"linear_impl must be one of {', '.join(LINEAR_IMPLS)}, got {linear_impl!r}")
+    require_choice("linear_impl", linear_impl, LINEAR_IMPLS)
     if linear_impl != "torch" and not ops.native_available():
         raise ValueError(f"linear_impl={linear_impl!r} needs the native extension pagedattn._C, "
                          "which is not loaded; use linear_impl='torch'")

@@ -13,9 +13,11 @@ each prompt's first token waits for the prefill of every prompt admitted before 
 serving short ones first lowers the median time to first token at no cost in throughput
 (the same tokens are computed). A request passed over ``MAX_PASSED_OVER`` times (a
 younger one admitted before it) is served next whatever its length, so a long prompt
-under a stream of short ones still starts. A preempted request goes first under both. When the pool runs out of blocks, the most
-recently admitted running request is preempted: its blocks are freed and it goes back to
-the head of the queue, to be recomputed (prefix-cache hits make that cheap).
+under a stream of short ones still starts.
+
+When the pool runs out of blocks, the most recently admitted running request is
+preempted: its blocks are freed and it goes back to the head of the queue, to be
+recomputed (prefix-cache hits make that cheap); it is admitted next under both policies.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedattn.checks import require_int
+from pagedattn.checks import require_choice, require_int
 from pagedattn.engine.block_pool import KVCacheManager
 from pagedattn.engine.request import FinishReason, Request, RequestStatus
 
@@ -52,9 +54,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_model_len: int,
                  max_num_seqs: int = 256, policy: str = "fcfs") -> None:
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {policy!r}")
+        require_choice("scheduling_policy", policy, SCHEDULING_POLICIES)
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
             require_int(name, value, 1)
