@@ -54,7 +54,7 @@ def compile_for(launch: tops.KernelLaunch, target: GPUTarget):
             signature[name] = "fp32"
     assert not args, "launch has more arguments than the kernel"
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=target)
+    return triton.compile(source, target=target, options=launch.options)
 
 
 def batch(dtype):
@@ -71,6 +71,18 @@ def test_unified_attention_compiles_with_every_feature(target, dtype):
         b.seq_lens, 40, 0.1, True, torch.zeros(6), (3, 2), b.block_table, 2.0, None, None,
         None, sinks=torch.zeros(6))
     assert compile_for(launch, target).asm["cubin"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_split_kv_launches_compile(dtype):
+    b = batch(dtype)
+    attend = tops.plan_unified_attention(
+        b.query, b.key_cache, b.value_cache, torch.empty_like(b.query), b.query_start_loc, 5,
+        b.seq_lens, 40, 0.1, True, torch.zeros(6), (3, 2), b.block_table, 2.0, None, None,
+        None, sinks=torch.zeros(6), num_kv_splits=3)
+    assert attend.grid[2] == 3 and attend.then.kernel == "merge_kv_splits_kernel"
+    assert compile_for(attend, H100).asm["cubin"]
+    assert compile_for(attend.then, H100).asm["cubin"]
 
 
 def test_unified_attention_compiles_when_ints_are_specialized_to_one():

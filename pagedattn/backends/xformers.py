@@ -81,17 +81,47 @@ def xformers_problems(device_capability: DeviceCapability | None = None) -> list
     problem = _xformers_import_problem()
     if problem is not None:
         return [problem]
+    cpu = device_capability is not None and tuple(device_capability) == (0, 0)
+    if not cpu and torch.cuda.is_available():
+        problem = _paged_decode_trial(torch.cuda.current_device())
+        return [] if problem is None else [problem]
     reasons = []
     import xformers
 
     if not getattr(xformers, "_has_cpp_library", False):
-        reasons.append("xformers' C++/CUDA kernels did not load (the wheel was built for "
-                       "another torch/CUDA; XFORMERS_MORE_DETAILS=1 python -c 'import "
-                       "xformers.ops' says more)")
-    cpu = device_capability is not None and tuple(device_capability) == (0, 0)
-    if cpu or not torch.cuda.is_available():
-        reasons.append("xformers' paged decode kernel needs a CUDA GPU")
+        reasons.append(_CPP_LIBRARY_MISSING)
+    reasons.append("xformers' paged decode kernel needs a CUDA GPU")
     return reasons
+
+
+_CPP_LIBRARY_MISSING = ("xformers' C++/CUDA kernels did not load (the wheel was built for "
+                        "another torch/CUDA; XFORMERS_MORE_DETAILS=1 python -c 'import "
+                        "xformers.ops' says more)")
+
+
+@functools.lru_cache(maxsize=None)
+def _paged_decode_trial(device_index: int) -> str | None:
+    """Run xformers' forward once on a tiny paged decode on GPU ``device_index``: which
+    of its kernels can take the decode depends on the wheel, torch and the GPU (a wheel
+    built for another torch may still serve it from its Triton kernels), so ask it."""
+    import xformers
+    import xformers.ops as xops
+
+    device = torch.device("cuda", device_index)
+    head_size, block_size = 64, 16
+    q = torch.zeros(1, 1, 1, 1, head_size, dtype=torch.float16, device=device)
+    cache = torch.zeros(1, block_size, 1, 1, head_size, dtype=torch.float16, device=device)
+    bias = _paged_decode_mask_cls().from_seqlens(
+        q_seqlen=[1], kv_seqlen=[block_size], page_size=block_size,
+        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device), device=device)
+    try:
+        xops.memory_efficient_attention_forward(q, cache, cache, attn_bias=bias, p=0.0)
+        torch.cuda.synchronize(device)
+    except (NotImplementedError, RuntimeError, ValueError) as exc:
+        detail = " ".join(str(exc).split())[:600] or type(exc).__name__
+        missing = "" if getattr(xformers, "_has_cpp_library", False) else _CPP_LIBRARY_MISSING + "; "
+        return f"{missing}xformers has no kernel for the paged decode here: {detail}"
+    return None
 
 
 def _paged_decode_mask_cls():

@@ -19,6 +19,8 @@ from pagedattn.testing import TOLERANCES, BatchSpec, make_paged_batch
 
 from gpu_env import INTERPRETED, ON_GPU
 
+MAX_SPLITS = tops.MAX_KV_SPLITS
+
 # bf16 only compiled: the interpreter's bf16 tl.dot is wrong.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -64,7 +66,7 @@ def feature_args(feature, num_heads, device, seed=5):
 
 def run_unified(b, *, scale=0.2, causal=True, window_size=(-1, -1), softcap=0.0,
                 alibi_slopes=None, sinks=None, k=None, v=None, k_descale=None,
-                v_descale=None):
+                v_descale=None, num_kv_splits=None):
     out = torch.full_like(b.query, math.nan)
     tops.unified_attention(
         q=b.query, k=b.key_cache if k is None else k, v=b.value_cache if v is None else v,
@@ -72,7 +74,7 @@ def run_unified(b, *, scale=0.2, causal=True, window_size=(-1, -1), softcap=0.0,
         seqused_k=b.seq_lens, max_seqlen_k=max(b.spec.seq_lens), softmax_scale=scale,
         causal=causal, alibi_slopes=alibi_slopes, window_size=window_size,
         block_table=b.block_table, softcap=softcap, q_descale=None, k_descale=k_descale,
-        v_descale=v_descale, sinks=sinks)
+        v_descale=v_descale, sinks=sinks, num_kv_splits=num_kv_splits)
     return out
 
 
@@ -97,6 +99,42 @@ def test_unified_attention_matches_reference(feature, dtype, device):
     args = feature_args(feature, 6, device)
     out = run_unified(b, **args)
     torch.testing.assert_close(out.float().cpu(), expected(b, **args), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("splits, feature", [(2, "all"), (5, "plain"), (5, "window"),
+                                             (5, "all")])
+def test_split_kv_matches_reference(splits, feature, dtype, device):
+    # 5 splits of a 70-key decode leave some splits without a key tile (merged as empty);
+    # the window makes some splits see only masked keys; sinks join in the merge.
+    b = make_batch(MIXED, dtype, device, seed=1)
+    args = feature_args(feature, 6, device)
+    out = run_unified(b, num_kv_splits=splits, **args)
+    torch.testing.assert_close(out.float().cpu(), expected(b, **args), **tolerance(dtype))
+
+
+def test_split_kv_chosen_for_small_decode_batches_on_a_gpu_only(device):
+    decodes = make_batch(BatchSpec("decode", (900, 700), (1, 1)), torch.float16, device)
+    prefill = make_batch(BatchSpec("prefill", (900,), (40,)), torch.float16, device)
+
+    def plan(b):
+        return tops.plan_unified_attention(
+            b.query, b.key_cache, b.value_cache, torch.empty_like(b.query), b.query_start_loc,
+            max(b.spec.query_lens), b.seq_lens, 900, 0.2, True, None, (-1, -1), b.block_table,
+            0.0, None, None, None)
+
+    assert plan(prefill).then is None
+    if ON_GPU:  # 2 requests x 2 kv heads: far fewer programs than multiprocessors
+        assert plan(decodes).grid[2] > 1 and plan(decodes).then is not None
+    else:
+        assert plan(decodes).grid[2] == 1 and plan(decodes).then is None
+
+
+@pytest.mark.parametrize("bad", [0, MAX_SPLITS + 1, 2.5, True])
+def test_num_kv_splits_out_of_range_rejected(bad, device):
+    b = make_batch(BatchSpec("decode", (20,), (1,)), torch.float32, device)
+    with pytest.raises(ValueError, match="num_kv_splits must be"):
+        run_unified(b, num_kv_splits=bad)
 
 
 WINDOW_BATCHES = {
@@ -124,14 +162,15 @@ def _poison_blocks_behind_window(b, window_left: int) -> int:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("batch", WINDOW_BATCHES)
-def test_blocks_behind_the_window_are_never_read(batch, dtype, device):
+@pytest.mark.parametrize("splits", [None, 3], ids=["whole", "split3"])
+def test_blocks_behind_the_window_are_never_read(splits, batch, dtype, device):
     # Windows chosen so the first visible key falls past a block edge inside a 32-key
     # tile: the tile's leading block lies wholly behind the window.
     window = (21, -1)
     b = make_batch(WINDOW_BATCHES[batch], dtype, device, seed=3)
     want = expected(b, window_size=window)  # from the intact cache
     assert _poison_blocks_behind_window(b, window[0]) > 0
-    out = run_unified(b, window_size=window)
+    out = run_unified(b, window_size=window, num_kv_splits=splits)
     assert bool(torch.isfinite(out).all())
     torch.testing.assert_close(out.float().cpu(), want, **tolerance(dtype))
 
@@ -204,7 +243,9 @@ def test_unified_attention_dequantizes_fp8_cache_per_request_and_head(cache_dtyp
     torch.testing.assert_close(out.float().cpu(), exp, atol=atol, rtol=atol)
 
 
-def test_unified_attention_rejects_bad_inputs(device):
+def test_unified_attention_rejects_bad_inputs(device, monkeypatch):
+    # Checks of values (lengths, block ids) sync a GPU: there they run on request only.
+    monkeypatch.setenv(tops.CHECK_VALUES_ENV, "1")
     b = make_batch(BatchSpec("decode", (20, 9), (1, 1)), torch.float32, device)
     good = dict(q=b.query, k=b.key_cache, v=b.value_cache, out=torch.empty_like(b.query),
                 cu_seqlens_q=b.query_start_loc, max_seqlen_q=1, seqused_k=b.seq_lens,
@@ -325,7 +366,8 @@ def test_fp8_cache_rounds_like_torch_over_every_magnitude(cache_dtype, device):
     assert torch.equal(kc.cpu().view(torch.uint8).flatten(), x.to(fp8).view(torch.uint8).flatten())
 
 
-def test_reshape_and_cache_flash_rejects_bad_inputs(device):
+def test_reshape_and_cache_flash_rejects_bad_inputs(device, monkeypatch):
+    monkeypatch.setenv(tops.CHECK_VALUES_ENV, "1")  # the slot range check reads values
     kc = torch.zeros(2, 16, 2, 8, device=device)
     key = torch.zeros(3, 2, 8, device=device)
     slots = torch.tensor([0, 1, 2], device=device)

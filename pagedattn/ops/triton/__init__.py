@@ -18,12 +18,13 @@ Triton nor CUDA: the kernels are imported on first use.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
 from collections.abc import Sequence
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -138,28 +139,38 @@ def _check_fp8_lowering(dtype: torch.dtype, device: torch.device) -> None:
             f"{capability[0]}.{capability[1]}; use kv_cache_dtype='fp8_e5m2'")
 
 
+CHECK_VALUES_ENV = "PAGEDATTN_CHECK_VALUES"
+
+
 def _reads_data_cheaply(t: torch.Tensor) -> bool:
-    """Data-dependent checks cost a device sync on a GPU; on the CPU they are free."""
-    return t.device.type == "cpu"
+    """Whether to run the checks that read tensor values (slots and block ids in range,
+    lengths consistent). They are free on the CPU; on a GPU each costs a device sync
+    (and breaks CUDA-graph capture), so there they run only with
+    ``PAGEDATTN_CHECK_VALUES=1`` in the environment (debugging an engine)."""
+    return t.device.type == "cpu" or os.environ.get(CHECK_VALUES_ENV, "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
 class KernelLaunch:
     """One validated kernel launch: ``kernel`` (a name in ``_kernels``) over ``grid``
-    with positional ``args`` and keyword ``constexprs``. Tests compile it for GPU
+    with positional ``args``, keyword ``constexprs`` and launch ``options``
+    (``num_warps``), followed by the launch ``then`` if any. Tests compile it for GPU
     targets without a GPU (``triton.compile``), the ops launch it."""
 
     kernel: str
     grid: tuple[int, ...]
     args: tuple
     constexprs: dict
+    options: dict = field(default_factory=dict)
+    then: KernelLaunch | None = None
 
 
 def _run(launch: KernelLaunch | None, device: torch.device) -> None:
     _check_launchable(device)
-    if launch is not None:
+    while launch is not None:
         kernel = getattr(_kernel_module(), launch.kernel)
-        kernel[launch.grid](*launch.args, **launch.constexprs)
+        kernel[launch.grid](*launch.args, **launch.constexprs, **launch.options)
+        launch = launch.then
 
 
 # ------------------------------------------------------------------- cache writer
@@ -299,14 +310,47 @@ def _check_batch_values(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
                              f"[0, {num_blocks})")
 
 
-def _tile_sizes(max_seqlen_q: int, group: int, head_size: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_Q, GROUP_P, HEAD_P, BLOCK_N)``. ``tl.dot`` needs every dimension >= 16;
-    decode tiles stay at 16 rows (one token times the group), prefill tiles grow to 64."""
+MAX_KV_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    block_q: int
+    group_p: int
+    head_p: int
+    block_n: int
+    num_warps: int
+
+
+def _tile_sizes(max_seqlen_q: int, group: int, head_size: int, *, big: bool) -> _Tiles:
+    """Tile shape of :func:`unified_attention`. ``tl.dot`` needs every dimension >= 16;
+    decode tiles stay at 16 rows (one token times the group), prefill tiles grow to 64
+    rows, or to 128 rows by 64 keys with 8 warps where ``big`` (16-bit data on a GPU:
+    the interpreter and fp32 keep the small tiles, fp32 for shared memory)."""
     group_p = _next_pow2(group)
-    target_rows = 16 if max_seqlen_q <= 1 else 64
+    target_rows = 16 if max_seqlen_q <= 1 else (128 if big else 64)
     block_q = max(1, target_rows // group_p, 16 // group_p)
     block_q = min(block_q, max(_next_pow2(max_seqlen_q), 16 // group_p, 1))
-    return block_q, group_p, max(16, _next_pow2(head_size)), 32
+    num_warps = 8 if big and block_q * group_p >= 128 else 4
+    return _Tiles(block_q, group_p, max(16, _next_pow2(head_size)), 64 if big else 32,
+                  num_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _kv_splits_for(device: torch.device, programs: int, max_seqlen_q: int,
+                   max_seqlen_k: int, block_n: int) -> int:
+    """Split-KV for decode batches whose ``programs`` (requests x kv heads) would leave
+    most of the GPU idle: enough splits for about four programs per multiprocessor,
+    each split at least four key tiles long."""
+    if device.type != "cuda" or max_seqlen_q > 1 or programs == 0:
+        return 1
+    by_occupancy = -(-4 * _multiprocessors(device) // programs)
+    by_length = max_seqlen_k // (4 * block_n)
+    return max(1, min(by_occupancy, by_length, MAX_KV_SPLITS))
 
 
 def unified_attention(
@@ -328,6 +372,8 @@ def unified_attention(
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
+    *,
+    num_kv_splits: int | None = None,
 ) -> None:
     """Paged attention of a varlen batch (decodes, chunked prefills and whole prefills
     mixed, in any order) in one launch; fills ``out[:cu_seqlens_q[-1]]``.
@@ -355,6 +401,9 @@ def unified_attention(
         k_descale, v_descale: fp32, ``[num_reqs, num_kv_heads]`` or broadcastable to it
             (e.g. ``layer._k_scale.expand(...)``): multiply an fp8 cache's values.
         sinks: ``[num_heads]`` sink logits (fp32/bf16), or ``None``.
+        num_kv_splits: split each request's keys into this many slices, attended in
+            parallel and merged (split-KV); ``None`` chooses: on a GPU, decode batches
+            too small to fill it are split, anything else is not.
 
     GQA/MQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``; any
     group size and any head size (padded inside the kernel) work.
@@ -362,13 +411,13 @@ def unified_attention(
     _run(plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
                                 max_seqlen_k, softmax_scale, causal, alibi_slopes,
                                 window_size, block_table, softcap, q_descale, k_descale,
-                                v_descale, sinks), q.device)
+                                v_descale, sinks, num_kv_splits=num_kv_splits), q.device)
 
 
 def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
                            softmax_scale, causal, alibi_slopes, window_size, block_table,
                            softcap, q_descale, k_descale, v_descale,
-                           sinks=None) -> KernelLaunch | None:
+                           sinks=None, *, num_kv_splits=None) -> KernelLaunch | None:
     """Validate the arguments of :func:`unified_attention` and return its launch
     (``None``: nothing to compute)."""
     q = _check_tensor("q", q, dim=3, dtypes=COMPUTE_DTYPES)
@@ -437,12 +486,29 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
     if num_reqs == 0 or num_tokens == 0 or max_seqlen_q == 0:
         return None
 
+    require_int("num_kv_splits", num_kv_splits, 1, maximum=MAX_KV_SPLITS, allow_none=True)
     group = num_heads // num_kv_heads
-    block_q, group_p, head_p, block_n = _tile_sizes(max_seqlen_q, group, head_size)
+    tiles = _tile_sizes(max_seqlen_q, group, head_size,
+                        big=device.type == "cuda" and q.dtype != torch.float32)
+    splits = num_kv_splits or _kv_splits_for(device, num_reqs * num_kv_heads, max_seqlen_q,
+                                             max_seqlen_k, tiles.block_n)
     # Request r's tiles start at program cu_seqlens_q[r] // block_q + r (see the kernel).
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    grid = (num_tokens // tiles.block_q + num_reqs, num_kv_heads, splits)
     # Pointers of disabled features are never read: any tensor will do.
     dummy = q
+    merge = None
+    part_acc = part_ml = dummy
+    if splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, splits, tiles.head_p,
+                               dtype=torch.float32, device=device)
+        part_ml = torch.empty(2, num_tokens, num_heads, splits, dtype=torch.float32,
+                              device=device)
+        merge = KernelLaunch(
+            "merge_kv_splits_kernel", (num_tokens, num_heads),
+            (part_acc, part_ml, sinks if sinks is not None else dummy, out, cu_seqlens_q,
+             num_reqs, num_tokens, num_heads, splits, head_size, *out.stride()),
+            dict(SPLITS_P=_next_pow2(splits), HEAD_P=tiles.head_p,
+                 USE_SINKS=sinks is not None))
     k_descale = dummy if k_descale is None else k_descale
     v_descale = dummy if v_descale is None else v_descale
     descale_strides = (*k_descale.stride()[-2:], *v_descale.stride()[-2:]) if quantized \
@@ -456,9 +522,13 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
          num_reqs, float(softmax_scale), softcap, window[0], window[1],
          *q.stride(), *out.stride(), *k.stride(), *v.stride(), *block_table.stride(),
          *descale_strides,
-         head_size, block_size, group),
-        dict(BLOCK_Q=block_q, GROUP_P=group_p, HEAD_P=head_p, BLOCK_N=block_n,
+         head_size, block_size, group,
+         part_acc, part_ml, num_tokens, num_heads, splits),
+        dict(BLOCK_Q=tiles.block_q, GROUP_P=tiles.group_p, HEAD_P=tiles.head_p,
+             BLOCK_N=tiles.block_n,
              CAUSAL=bool(causal), USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
              USE_SINKS=sinks is not None, USE_LEFT=window[0] >= 0, USE_RIGHT=window[1] >= 0,
-             DEQUANTIZE=quantized, FP32_DOT=q.dtype == torch.float32),
+             DEQUANTIZE=quantized, FP32_DOT=q.dtype == torch.float32, SPLIT=splits > 1),
+        dict(num_warps=tiles.num_warps),
+        merge,
     )

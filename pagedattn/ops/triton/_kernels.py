@@ -96,11 +96,12 @@ def unified_attention_kernel(
     stride_bt_r, stride_bt_c,
     stride_kds_r, stride_kds_h, stride_vds_r, stride_vds_h,
     head_size, block_size, queries_per_kv,
+    part_acc_ptr, part_ml_ptr, num_tokens, num_heads, num_splits,
     BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr, HEAD_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr, USE_LEFT: tl.constexpr, USE_RIGHT: tl.constexpr,
-    DEQUANTIZE: tl.constexpr, FP32_DOT: tl.constexpr,
+    DEQUANTIZE: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One program = one tile of ``BLOCK_Q`` query tokens of one request times the
     ``queries_per_kv`` query heads that share kv head ``program_id(1)``.
@@ -111,10 +112,16 @@ def unified_attention_kernel(
     ``r`` owns programs ``cu_seqlens_q[r] // BLOCK_Q + r`` onwards, one per
     ``BLOCK_Q`` of its tokens, so the grid size follows from the token count alone
     (no host sync) and a binary search finds a program's request.
+
+    With ``SPLIT`` (split-KV, for batches too small to fill the GPU), ``program_id(2)``
+    takes one of ``num_splits`` equal slices of the tile's key range and stores its
+    unnormalised partial state (``acc``, running max, denominator) for
+    :func:`merge_kv_splits_kernel`, which also adds the sinks.
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     # Largest r with first_program(r) <= pid.
     lo = 0
@@ -162,10 +169,14 @@ def unified_attention_kernel(
     # old blocks may already be back in the pool (garbage, even NaN, and 0 * NaN = NaN).
     key_first = key_lo
     key_lo = (key_lo // BLOCK_N) * BLOCK_N
+    if SPLIT:
+        span = tl.cdiv(tl.cdiv(key_hi - key_lo, BLOCK_N), num_splits) * BLOCK_N
+        key_lo = key_lo + split * span
+        key_hi = tl.minimum(key_hi, key_lo + span)
 
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-    if USE_SINKS:
+    if USE_SINKS and not SPLIT:
         # The sink is a logit that joins the softmax denominator only: start the
         # running max at it with a denominator of exp(sink - sink) = 1.
         m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
@@ -228,8 +239,53 @@ def unified_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    # Rows that saw no key (and no sink) output zeros.
-    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h
-             + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
+    if SPLIT:
+        part = ((token * num_heads + head) * num_splits + split)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_P + dims[None, :], acc,
+                 mask=row_ok[:, None] & (dims[None, :] < HEAD_P))
+        tl.store(part_ml_ptr + part, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + num_tokens * num_heads * num_splits + part, l_i, mask=row_ok)
+    else:
+        # Rows that saw no key (and no sink) output zeros.
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h
+                 + dims[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def merge_kv_splits_kernel(
+    part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, cu_seqlens_q_ptr,
+    num_reqs, num_tokens, num_heads, num_splits, head_size,
+    stride_o_t, stride_o_h, stride_o_d,
+    SPLITS_P: tl.constexpr, HEAD_P: tl.constexpr, USE_SINKS: tl.constexpr,
+):
+    """One program per (token, query head): the softmax over all splits' keys (and the
+    sink) from the splits' partial states, normalised into ``out``. Tokens past
+    ``cu_seqlens_q[num_reqs]`` have no partial state and their rows stay untouched."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(cu_seqlens_q_ptr + num_reqs):
+        return
+    splits = tl.arange(0, SPLITS_P)
+    split_ok = splits < num_splits
+    part = (token * num_heads + head) * num_splits + splits
+    m = tl.load(part_ml_ptr + part, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + num_tokens * num_heads * num_splits + part, mask=split_ok,
+                other=0.0)
+    m_max = tl.max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
+    m_shift = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp(m - m_shift)  # a split that saw no key has m = -inf: weight 0
+    denominator = tl.sum(weight * l, 0)
+    if USE_SINKS:
+        denominator += tl.exp(sink - m_shift)
+    dims = tl.arange(0, HEAD_P)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_P + dims[None, :],
+                  mask=split_ok[:, None], other=0.0)
+    merged = tl.sum(acc * weight[:, None], 0)
+    out = tl.where(denominator > 0, merged / tl.where(denominator > 0, denominator, 1.0), 0.0)
+    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + dims * stride_o_d,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_size)
