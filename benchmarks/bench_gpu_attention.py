@@ -7,7 +7,9 @@ folded into SDPA's query length, so one kv head is read once per group. Prefill 
 (causal) time it against SDPA with whichever GQA form is fastest there
 (``enable_gqa=True`` or ``repeat_interleave``), named in the row. Every row checks
 our output against SDPA's first. Timings are ``triton.testing.do_bench`` medians, which
-clears the L2 cache before each call, so decode reads come from HBM.
+clears the L2 cache before each call, so decode reads come from HBM; they include each
+call's launch cost from Python. ``--cudagraph`` times CUDA-graph replays instead, as an
+engine that captures graphs runs them.
 
 Example (on a GPU)::
 
@@ -53,10 +55,13 @@ class Row:
         return self.peer_us / self.ours_us
 
 
-def _timer(device: torch.device):
+def _timer(device: torch.device, cudagraph: bool = False):
     if device.type == "cuda":
         import triton.testing
 
+        if cudagraph:
+            return lambda fn: 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100,
+                                                                       return_mode="median")
         return lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100,
                                                          return_mode="median")
 
@@ -184,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, one call each (CPU tensors under TRITON_INTERPRET=1)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--cudagraph", action="store_true",
+                   help="time CUDA-graph replays (no launch overhead; L2 is not cleared "
+                        "between calls, so small decodes may read from L2)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -194,13 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if device.type == "cpu" and dtype == torch.bfloat16:
         dtype = torch.float16  # the interpreter's bf16 tl.dot is wrong
-    timer = _timer(device)
+    timer = _timer(device, args.cudagraph)
     torch.manual_seed(0)
     decode_grid = SMOKE_DECODE if args.smoke else DECODE_GRID
     prefill_grid = SMOKE_PREFILL if args.smoke else PREFILL_GRID
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
     print(f"{where}; {dtype}; {NUM_HEADS}/{NUM_KV_HEADS} heads x {HEAD_SIZE}, block "
-          f"{BLOCK_SIZE}; torch {torch.__version__}")
+          f"{BLOCK_SIZE}; torch {torch.__version__}; "
+          f"{'CUDA-graph replays' if args.cudagraph else 'eager calls, L2 cleared before each'}")
     rows = decode_rows(decode_grid, device, dtype, timer)
     rows += prefill_rows(prefill_grid, device, dtype, timer)
     print(f"{'what':<13} {'shape':<13} {'ours us':>9} {'peer us':>9} {'x peer':>7} "
@@ -212,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": where, "dtype": str(dtype), "torch": torch.__version__,
+                       "cudagraph": args.cudagraph,
                        "rows": [asdict(r) | {"speedup": r.speedup} for r in rows]}, fh, indent=1)
     if bad:
         print(f"outputs differ from SDPA's: {[f'{r.kind} {r.shape}' for r in bad]}",

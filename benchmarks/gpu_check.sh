@@ -20,4 +20,6 @@ timeout "${TEST_TIMEOUT_S:-300}" "$PY" -m pytest -q -rs -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_tests.log" || status=1
 timeout "${BENCH_TIMEOUT_S:-240}" "$PY" benchmarks/bench_gpu_attention.py \
     --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log" || status=1
+timeout "${BENCH_TIMEOUT_S:-240}" "$PY" benchmarks/bench_gpu_attention.py --cudagraph \
+    --json "$OUT/gpu_bench_graph.json" 2>&1 | tee "$OUT/gpu_bench_graph.log" || status=1
 exit $status

@@ -84,6 +84,77 @@ def _tanh(x):
 
 
 @triton.jit
+def _attend_keys(
+    acc, m_i, l_i, q, start_key, stop_key, key_first, key_hi, position, row_ok, slope,
+    table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
+    stride_k_b, stride_k_o, stride_k_h, stride_k_d,
+    stride_v_b, stride_v_o, stride_v_h, stride_v_d,
+    block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_LEFT: tl.constexpr,
+    USE_RIGHT: tl.constexpr, DEQUANTIZE: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Online softmax over the key tiles ``[start_key, stop_key)``: the running
+    ``(acc, m_i, l_i)`` of the tile's rows, updated. ``MASKED`` tiles check each key
+    against the request's range and each row's causal/window limits; the others are
+    known to be wholly visible."""
+    for start in range(start_key, stop_key, BLOCK_N):
+        key_index = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            key_ok = (key_index >= key_first) & (key_index < key_hi)
+        else:
+            key_ok = key_index < stop_key
+        block = tl.load(table_row + (key_index // block_size) * stride_bt_c,
+                        mask=key_ok, other=0).to(tl.int64)
+        offset = (key_index % block_size).to(tl.int64)
+
+        # [BLOCK_N, HEAD_P], contiguous along the head: the layout tl.dot wants for K^T.
+        k = tl.load(k_ptr + block[:, None] * stride_k_b + offset[:, None] * stride_k_o
+                    + kv_head * stride_k_h + dims[None, :] * stride_k_d,
+                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DEQUANTIZE:
+            k = (k.to(tl.float32) * k_descale).to(q.dtype)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        if USE_ALIBI:
+            s += slope[:, None] * (key_index[None, :] - position[:, None]).to(tl.float32)
+        if MASKED:
+            visible = key_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                visible = visible & (key_index[None, :] <= position[:, None])
+            if USE_LEFT:
+                visible = visible & (key_index[None, :] >= position[:, None] - window_left)
+            if USE_RIGHT:
+                visible = visible & (key_index[None, :] <= position[:, None] + window_right)
+            s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen nothing yet keeps max -inf; shift it by 0 instead (no NaN).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_ptr + block[:, None] * stride_v_b + offset[:, None] * stride_v_o
+                    + kv_head * stride_v_h + dims[None, :] * stride_v_d,
+                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DEQUANTIZE:
+            v = (v.to(tl.float32) * v_descale).to(q.dtype)
+        if FP32_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     cu_seqlens_q_ptr, seqused_k_ptr, block_table_ptr,
@@ -174,6 +245,7 @@ def unified_attention_kernel(
         key_lo = key_lo + split * span
         key_hi = tl.minimum(key_hi, key_lo + span)
 
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
     if USE_SINKS and not SPLIT:
@@ -185,59 +257,53 @@ def unified_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P], dtype=tl.float32)
+    k_descale = 1.0
+    v_descale = 1.0
     if DEQUANTIZE:
         k_descale = tl.load(k_descale_ptr + req * stride_kds_r + kv_head * stride_kds_h)
         v_descale = tl.load(v_descale_ptr + req * stride_vds_r + kv_head * stride_vds_h)
 
+    # Interior tiles [full_lo, full_hi): every key visible to every row of the tile, so
+    # no mask is computed there; the edge tiles around them are masked.
+    need_lo = key_first
+    if USE_LEFT:
+        need_lo = tl.maximum(need_lo, last_position - window_left)
+    need_hi = kv_len
+    if CAUSAL:
+        need_hi = tl.minimum(need_hi, first_position + 1)
+    if USE_RIGHT:
+        need_hi = tl.minimum(need_hi, first_position + window_right + 1)
+    full_lo = key_lo + tl.cdiv(tl.maximum(need_lo - key_lo, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, key_hi)
+    full_hi = full_lo + tl.maximum(need_hi - full_lo, 0) // BLOCK_N * BLOCK_N
+    full_hi = tl.minimum(full_hi, key_hi)
+    full_hi = tl.maximum(full_hi, full_lo)
+
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt_r
-    for start in range(key_lo, key_hi, BLOCK_N):
-        key_index = start + tl.arange(0, BLOCK_N)
-        key_ok = (key_index >= key_first) & (key_index < key_hi)
-        block = tl.load(table_row + (key_index // block_size) * stride_bt_c,
-                        mask=key_ok, other=0).to(tl.int64)
-        offset = (key_index % block_size).to(tl.int64)
-
-        k = tl.load(k_ptr + block[None, :] * stride_k_b + offset[None, :] * stride_k_o
-                    + kv_head * stride_k_h + dims[:, None] * stride_k_d,
-                    mask=dim_ok[:, None] & key_ok[None, :], other=0.0)
-        if DEQUANTIZE:
-            k = (k.to(tl.float32) * k_descale).to(q.dtype)
-        if FP32_DOT:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale
-        if USE_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        if USE_ALIBI:
-            s += slope[:, None] * (key_index[None, :] - position[:, None]).to(tl.float32)
-        visible = key_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            visible = visible & (key_index[None, :] <= position[:, None])
-        if USE_LEFT:
-            visible = visible & (key_index[None, :] >= position[:, None] - window_left)
-        if USE_RIGHT:
-            visible = visible & (key_index[None, :] <= position[:, None] + window_right)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen nothing yet keeps max -inf; shift it by 0 instead (no NaN).
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_shift)
-        p = tl.exp(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v = tl.load(v_ptr + block[:, None] * stride_v_b + offset[:, None] * stride_v_o
-                    + kv_head * stride_v_h + dims[None, :] * stride_v_d,
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        if DEQUANTIZE:
-            v = (v.to(tl.float32) * v_descale).to(q.dtype)
-        if FP32_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, key_lo, full_lo, key_first, key_hi, position, row_ok, slope,
+        table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
+        stride_k_b, stride_k_o, stride_k_h, stride_k_d,
+        stride_v_b, stride_v_o, stride_v_h, stride_v_d,
+        block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
+        BLOCK_N, True, CAUSAL, USE_ALIBI, USE_SOFTCAP, USE_LEFT, USE_RIGHT, DEQUANTIZE,
+        FP32_DOT)
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, full_lo, full_hi, key_first, key_hi, position, row_ok, slope,
+        table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
+        stride_k_b, stride_k_o, stride_k_h, stride_k_d,
+        stride_v_b, stride_v_o, stride_v_h, stride_v_d,
+        block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
+        BLOCK_N, False, CAUSAL, USE_ALIBI, USE_SOFTCAP, USE_LEFT, USE_RIGHT, DEQUANTIZE,
+        FP32_DOT)
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, full_hi, key_hi, key_first, key_hi, position, row_ok, slope,
+        table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
+        stride_k_b, stride_k_o, stride_k_h, stride_k_d,
+        stride_v_b, stride_v_o, stride_v_h, stride_v_d,
+        block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
+        BLOCK_N, True, CAUSAL, USE_ALIBI, USE_SOFTCAP, USE_LEFT, USE_RIGHT, DEQUANTIZE,
+        FP32_DOT)
 
     if SPLIT:
         part = ((token * num_heads + head) * num_splits + split)
