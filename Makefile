@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagedattn-installed
 NATIVE_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.py' 2>/dev/null)
 
-.PHONY: setup run test test-all test-triton test-sanitize fuzz
+.PHONY: setup run test test-all test-triton test-gpu test-sanitize fuzz
 setup: $(STAMP)
 
 # torch first, from the local CPU wheel; then the package against it, without build
@@ -68,6 +68,13 @@ test-all: setup
 # Triton is first imported, so they get a process of their own.
 test-triton: setup
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels
+
+# On a machine with a CUDA GPU and a CUDA torch (not this set-up's CPU wheel): the same
+# tests compiled for the GPU, bf16 included, then bench_gpu_attention.py; logs in
+# gpu-results/. GPU_PYTHON is a Python with CUDA torch and triton.
+GPU_PYTHON ?= python3
+test-gpu:
+	PY=$(GPU_PYTHON) bash benchmarks/gpu_check.sh
 
 # Optional: vLLM 0.32's CPU engine in its own venv, for the vLLM plugin's tests and bench
 # (the base install stays free of vLLM). Best effort: if it cannot be installed, the plugin
