@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 	# pagedattn serve (the serve extra) and the openai client its tests drive it with.
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt \
 		fastapi==0.136.3 uvicorn==0.54.0 pydantic==2.14.4 prometheus_client==0.26.0 \
+		uvloop==0.23.0 httptools==0.9.0 \
 		openai==3.57.0 httpx==0.28.1
 	# Optional vLLM contender for the bench: native libs only, --no-deps so it cannot pull
 	# another torch; the bench and tests skip it with a reason when it is absent.
