@@ -114,16 +114,25 @@ def run_ours(q, key_cache, value_cache, block_table, query_lens, seq_lens, causa
     return call
 
 
+def random_inputs(batch: int, length: int, query_len: int, device, dtype):
+    """``(q, keys, values, k_sdpa, v_sdpa)``: keys/values ``[B, L, kv, hs]`` and the same
+    as SDPA's contiguous ``[B, kv, L, hs]``; q ``[B, query_len, heads, hs]``."""
+    def randn(*shape):
+        return torch.randn(*shape, device=device).to(dtype)
+
+    keys = randn(batch, length, NUM_KV_HEADS, HEAD_SIZE)
+    values = randn(batch, length, NUM_KV_HEADS, HEAD_SIZE)
+    q = randn(batch, query_len, NUM_HEADS, HEAD_SIZE)
+    return q, keys, values, keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+
+
 def decode_rows(grid, device, dtype, timer) -> list[Row]:
     rows = []
     group = NUM_HEADS // NUM_KV_HEADS
     for batch, context in grid:
-        keys = torch.randn(batch, context, NUM_KV_HEADS, HEAD_SIZE, device=device).to(dtype)
-        values = torch.randn(batch, context, NUM_KV_HEADS, HEAD_SIZE, device=device).to(dtype)
-        q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, device=device).to(dtype)
+        q, keys, values, k_sdpa, v_sdpa = random_inputs(batch, context, 1, device, dtype)
+        q = q.view(batch, NUM_HEADS, HEAD_SIZE)
         # SDPA: [B, kv, group, hs] queries against [B, kv, L, hs] keys (contiguous).
-        k_sdpa = keys.transpose(1, 2).contiguous()
-        v_sdpa = values.transpose(1, 2).contiguous()
         q_sdpa = q.view(batch, NUM_KV_HEADS, group, HEAD_SIZE)
 
         def sdpa():
@@ -151,12 +160,8 @@ def prefill_rows(grid, device, dtype, timer) -> list[Row]:
     rows = []
     group = NUM_HEADS // NUM_KV_HEADS
     for batch, length in grid:
-        keys = torch.randn(batch, length, NUM_KV_HEADS, HEAD_SIZE, device=device).to(dtype)
-        values = torch.randn(batch, length, NUM_KV_HEADS, HEAD_SIZE, device=device).to(dtype)
-        q = torch.randn(batch, length, NUM_HEADS, HEAD_SIZE, device=device).to(dtype)
+        q, keys, values, k_sdpa, v_sdpa = random_inputs(batch, length, length, device, dtype)
         q_sdpa = q.transpose(1, 2).contiguous()
-        k_sdpa = keys.transpose(1, 2).contiguous()
-        v_sdpa = values.transpose(1, 2).contiguous()
         k_rep = k_sdpa.repeat_interleave(group, dim=1)
         v_rep = v_sdpa.repeat_interleave(group, dim=1)
         peers = {

@@ -280,30 +280,25 @@ def unified_attention_kernel(
     full_hi = tl.maximum(full_hi, full_lo)
 
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt_r
-    acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, key_lo, full_lo, key_first, key_hi, position, row_ok, slope,
-        table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
-        stride_k_b, stride_k_o, stride_k_h, stride_k_d,
-        stride_v_b, stride_v_o, stride_v_h, stride_v_d,
-        block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
-        BLOCK_N, True, CAUSAL, USE_ALIBI, USE_SOFTCAP, USE_LEFT, USE_RIGHT, DEQUANTIZE,
-        FP32_DOT)
-    acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, full_lo, full_hi, key_first, key_hi, position, row_ok, slope,
-        table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
-        stride_k_b, stride_k_o, stride_k_h, stride_k_d,
-        stride_v_b, stride_v_o, stride_v_h, stride_v_d,
-        block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
-        BLOCK_N, False, CAUSAL, USE_ALIBI, USE_SOFTCAP, USE_LEFT, USE_RIGHT, DEQUANTIZE,
-        FP32_DOT)
-    acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, full_hi, key_hi, key_first, key_hi, position, row_ok, slope,
-        table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
-        stride_k_b, stride_k_o, stride_k_h, stride_k_d,
-        stride_v_b, stride_v_o, stride_v_h, stride_v_d,
-        block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
-        BLOCK_N, True, CAUSAL, USE_ALIBI, USE_SOFTCAP, USE_LEFT, USE_RIGHT, DEQUANTIZE,
-        FP32_DOT)
+    # Three passes, unrolled at compile time: masked edge, interior, masked edge.
+    for phase in tl.static_range(3):
+        if phase == 0:
+            lo = key_lo
+            hi = full_lo
+        elif phase == 1:
+            lo = full_lo
+            hi = full_hi
+        else:
+            lo = full_hi
+            hi = key_hi
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, lo, hi, key_first, key_hi, position, row_ok, slope,
+            table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
+            stride_k_b, stride_k_o, stride_k_h, stride_k_d,
+            stride_v_b, stride_v_o, stride_v_h, stride_v_d,
+            block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
+            BLOCK_N, phase != 1, CAUSAL, USE_ALIBI, USE_SOFTCAP, USE_LEFT, USE_RIGHT,
+            DEQUANTIZE, FP32_DOT)
 
     if SPLIT:
         part = ((token * num_heads + head) * num_splits + split)
