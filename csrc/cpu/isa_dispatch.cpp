@@ -12,8 +12,8 @@
 
 namespace pagedattn {
 
-bool cpu_isa_supported(CpuIsa isa) {
-  if (kernel_table_for(isa) == nullptr) return false;  // not compiled for this architecture
+// Whether this CPU executes `isa`'s instructions (whatever the build holds).
+static bool cpu_executes(CpuIsa isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -31,6 +31,12 @@ bool cpu_isa_supported(CpuIsa isa) {
 #else
   return true;  // scalar, and NEON which AArch64 always has
 #endif
+}
+
+bool cpu_isa_supported(CpuIsa isa) {
+  // The CPU first: an ISA's table is built on first use by code compiled for that ISA
+  // (its copies may use that ISA's registers), so asking for it is only safe after.
+  return cpu_executes(isa) && kernel_table_for(isa) != nullptr;
 }
 
 static bool cpu_has_amx() {
