@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers", reason="the parity tests need
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
 
+from forward_rows import assert_output_rows_match_all_rows  # noqa: E402
+
 MAX_NEW = 12
 
 
@@ -104,3 +106,11 @@ def test_greedy_tokens_match_transformers(checkpoint, mode):
     else:
         assert hit_tokens >= 3 * 32, "the shared prefixes gave no prefix-cache hit"
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
+def test_sampled_rows_only_leave_the_last_layer(checkpoint):
+    """The engine runs the last layer's MLP on the sampled rows only: those rows' hidden
+    states are the full forward's, bit for bit."""
+    path, _ = checkpoint
+    llm = LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, linear_impl="packed")
+    assert_output_rows_match_all_rows(llm, [5, 23, 40, 1])

@@ -33,6 +33,7 @@ from pagedattn.models import loader  # noqa: E402
 from pagedattn.models.loader import load_checkpoint  # noqa: E402
 
 from builtin_models import GEMMA3, model_file_cache, needs_gemma3  # noqa: E402
+from forward_rows import assert_output_rows_match_all_rows  # noqa: E402
 
 NEW_TOKENS = 16
 _SENTENCES = [
@@ -221,6 +222,13 @@ def test_tiny_model_matches_transformers_past_the_window(tiny_checkpoints, varia
             want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.token_ids == want[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
+
+
+def test_sampled_rows_only_leave_the_last_layer(tiny_checkpoints):
+    path, _ = tiny_checkpoints["plain"]
+    llm = LLM(model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+              kv_cache_memory="16MiB", block_size=16, linear_impl="packed")
+    assert_output_rows_match_all_rows(llm, [3, 40, 17])  # 40: past the window of 8
 
 
 # ------------------------------------------------------------------ the real model

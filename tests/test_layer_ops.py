@@ -1,4 +1,5 @@
-"""The fused layer ops (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding)
+"""The fused layer ops (rms_norm, fused_add_rms_norm, silu_and_mul, gelu_tanh_and_mul,
+rotary_embedding)
 against their references, under every ISA; their validation and fake implementations."""
 
 from __future__ import annotations
@@ -51,23 +52,48 @@ def test_fused_add_rms_norm(isa, d, rows):
     torch.testing.assert_close(out, expected, rtol=NORM_RTOL, atol=1e-6)
 
 
+GATED_ACTIVATIONS = ["silu_and_mul", "gelu_tanh_and_mul"]
+GELU_TANH_SCALE = 2 * (2 / 3.141592653589793) ** 0.5
+
+
+@pytest.mark.parametrize("act", GATED_ACTIVATIONS)
 @pytest.mark.parametrize("d", WIDTHS)
 @pytest.mark.parametrize("rows", ROWS)
-def test_silu_and_mul(isa, d, rows):
+def test_act_and_mul(isa, act, d, rows):
     x = rows_tensor(rows, 2 * d, d) * 8  # +-30: exp's clamped range and its tails
     x[0, 0], x[-1, d - 1] = 100.0, -100.0
-    # The vector exp is ~1 ulp and the division rounds once: a few ulps of relative error.
-    torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x),
-                               rtol=4e-7 * 4, atol=1e-30)
+    # Against the fp64 reference: the vector exp is ~1 ulp and the division rounds once, a
+    # few ulps of relative error. GELU's exponent z is a polynomial rounded in fp32, and
+    # exp(z) turns its ulp into |z| ulps. (torch's fp32 gelu_tanh loses more digits, to
+    # 1 + tanh(u) ~ 0 for negative gates.)
+    exact = getattr(reference, act)(x.double())
+    gate = x[:, :d].double()
+    z = gate.abs() if act == "silu_and_mul" else GELU_TANH_SCALE * (gate + 0.044715 * gate**3).abs()
+    # 1e-35: past exp's clamp at 88.4 the kernel returns gate * 4e-39 for ~0
+    bound = 4 * 2.0**-24 * (4 + z.clamp(max=89)) * exact.abs() + 1e-35
+    err = (getattr(ops, act)(x).double() - exact).abs()
+    assert (err <= bound).all(), float((err / bound).max())
 
 
-def test_silu_and_mul_keeps_nan_and_inf(isa):
+@pytest.mark.parametrize("act", GATED_ACTIVATIONS)
+def test_act_and_mul_keeps_nan_and_inf(isa, act):
     x = torch.zeros(1, 32)
     x[0, 0], x[0, 1], x[0, 2] = float("nan"), float("inf"), -1000.0
     x[0, 16:] = 1.0
-    out = ops.silu_and_mul(x)
-    # silu(-1000) underflows to -0 in torch; the clamped exp leaves a value of -4e-36
+    out = getattr(ops, act)(x)
+    # act(-1000) underflows to -0 in torch; the clamped exp leaves a value of -4e-36
     assert torch.isnan(out[0, 0]) and out[0, 1] == float("inf") and abs(out[0, 2]) < 1e-30
+
+
+def test_gelu_tanh_and_mul_is_torchs_gelu_tanh():
+    """The logistic form is GELU's tanh approximation, not the erf GELU: the two differ
+    by ~1e-3 near |a| = 2, far outside the tolerance here."""
+    gate = torch.linspace(-6, 6, 97, dtype=torch.float64)
+    x = torch.cat([gate, torch.ones_like(gate)]).unsqueeze(0).float()
+    expected = torch.nn.functional.gelu(gate, approximate="tanh").float().unsqueeze(0)
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(x), expected, rtol=2e-6, atol=2e-7)
+    assert not torch.allclose(ops.gelu_tanh_and_mul(x),
+                              torch.nn.functional.gelu(gate).float().unsqueeze(0), atol=1e-4)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 40, 8])
@@ -137,14 +163,14 @@ def test_fused_add_rms_norm_bf16_into_fp32_residual(isa, d, rows):
     assert_rounded_once(out, f64_rms_norm(expected_res, w, 1e-6), atol=1e-6)
 
 
+@pytest.mark.parametrize("act", GATED_ACTIVATIONS)
 @pytest.mark.parametrize("d", WIDTHS)
 @pytest.mark.parametrize("rows", ROWS)
-def test_silu_and_mul_bf16(isa, d, rows):
+def test_act_and_mul_bf16(isa, act, d, rows):
     x = (rows_tensor(rows, 2 * d, d) * 8).bfloat16()
-    h = x.double()
-    exact = torch.nn.functional.silu(h[:, :d]) * h[:, d:]
+    exact = getattr(reference, act)(x.double())
     # the vector exp's few fp32 ulps are far inside the bf16 rounding's margin
-    assert_rounded_once(ops.silu_and_mul(x), exact, atol=1e-30)
+    assert_rounded_once(getattr(ops, act)(x), exact, atol=1e-30)
 
 
 @pytest.mark.parametrize("head_dim", [64, 40])
@@ -167,6 +193,7 @@ def test_layer_ops_bf16_trace_with_their_fakes():
     torch.library.opcheck(torch.ops.pagedattn.rms_norm, (x, w, 1e-5, torch.float32))
     torch.library.opcheck(torch.ops.pagedattn.fused_add_rms_norm, (x, res, w, 1e-5))
     torch.library.opcheck(torch.ops.pagedattn.silu_and_mul, (x,))
+    torch.library.opcheck(torch.ops.pagedattn.gelu_tanh_and_mul, (x,))
 
 
 @pytest.mark.parametrize("op, args, exc, match", [
@@ -191,6 +218,10 @@ def test_layer_ops_bf16_trace_with_their_fakes():
                                     torch.ones(4), 1e-5), ValueError, "residual must not overlap"),
     ("silu_and_mul", lambda: (torch.zeros(2, 5),), ValueError, "even last dim"),
     ("silu_and_mul", lambda: (torch.zeros(2, 4, dtype=torch.float64),), TypeError, "x must be float32"),
+    ("gelu_tanh_and_mul", lambda: (torch.zeros(2, 5),), ValueError, "even last dim"),
+    ("gelu_tanh_and_mul", lambda: (torch.zeros(2, 4, dtype=torch.float16),), TypeError,
+     "x must be float32 or bfloat16, got Half"),
+    ("gelu_tanh_and_mul", lambda: (torch.zeros(2, 3, 4),), ValueError, "x must be 2-D"),
     ("rotary_embedding", lambda: (torch.tensor([0, 9]), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8),
                                   torch.zeros(9, 8)), ValueError,
      r"positions\[1\] \(9\) is outside the cos_sin_cache's \[0, 9\)"),
@@ -217,6 +248,7 @@ def test_layer_ops_opcheck():
     torch.library.opcheck(torch.ops.pagedattn.rms_norm, (x, w, 1e-5))
     torch.library.opcheck(torch.ops.pagedattn.fused_add_rms_norm, (x, res, w, 1e-5))
     torch.library.opcheck(torch.ops.pagedattn.silu_and_mul, (x,))
+    torch.library.opcheck(torch.ops.pagedattn.gelu_tanh_and_mul, (x,))
     torch.library.opcheck(torch.ops.pagedattn.rotary_embedding,
                           (torch.tensor([0, 2, 1]), torch.randn(3, 2, 16), torch.randn(3, 1, 16),
                            torch.randn(4, 16)))

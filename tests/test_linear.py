@@ -126,12 +126,66 @@ def test_packed_linear_rejects(case, exc, match):
         ops.packed_linear(x, packed, bias, n)
 
 
+# (d, in_features, rows): one and several panels per half, depths on and off the vector
+# widths, row counts on and off the tile and past one 48-row block.
+GATED_SHAPES = [(16, 8, 1), (32, 20, 7), (48, 64, 13), (64, 33, 100), (1536, 64, 3)]
+
+
+@needs_native
+@pytest.mark.parametrize("activation", ops.GATED_ACTIVATIONS)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", GATED_SHAPES, ids=lambda s: "d{}k{}m{}".format(*s))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_packed_gated_linear(isa, activation, weight_dtype, shape, with_bias):
+    d, k, m = shape
+    gen = torch.Generator().manual_seed(d * 1000 + k + m)
+    w = torch.randn(2 * d, k, generator=gen) / k ** 0.5
+    x = torch.randn(m, k, generator=gen) * 2
+    bias = torch.randn(2 * d, generator=gen) if with_bias else None
+    packed = ops.pack_linear_weight(w, weight_dtype)
+    out = ops.packed_gated_linear(x, packed, bias, 2 * d, activation)
+    assert out.shape == (m, d) and out.dtype == torch.float32
+    # The same tiles and the same activation as the two ops it fuses: bit-equal to them.
+    two_ops = getattr(ops, f"{activation}_and_mul")(ops.packed_linear(x, packed, bias, 2 * d))
+    assert torch.equal(out, two_ops)
+    expected = reference.packed_gated_linear(x, packed, bias, 2 * d, activation)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@needs_native
+def test_packed_gated_linear_empty_and_strided(isa):
+    w, x = torch.randn(64, 24), torch.randn(5, 30)[:, 3:27]
+    packed = ops.pack_linear_weight(w)
+    expected = reference.packed_gated_linear(x, packed, None, 64, "silu")
+    torch.testing.assert_close(ops.packed_gated_linear(x, packed, None, 64, "silu"), expected,
+                               rtol=1e-4, atol=1e-5)
+    assert ops.packed_gated_linear(torch.empty(0, 24), packed, None, 64, "silu").shape == (0, 32)
+
+
+@needs_native
+@pytest.mark.parametrize("weight_rows, out_features, activation, match", [
+    (64, 64, "relu", r"activation must be one of \('silu', 'gelu_tanh'\), got 'relu'"),
+    (48, 48, "silu", r"out_features \(gate and up, 48\) must be a multiple of 32"),
+    (48, 64, "silu", "out_features 64 does not match packed_weight's 3 panels"),
+])
+def test_packed_gated_linear_rejects(weight_rows, out_features, activation, match):
+    packed = ops.pack_linear_weight(torch.randn(weight_rows, 8))
+    with pytest.raises(ValueError, match=match):
+        ops.packed_gated_linear(torch.randn(3, 8), packed, None, out_features, activation)
+    if activation == "relu":  # the op itself names the allowed values too
+        with pytest.raises(ValueError, match="activation must be 'silu' or 'gelu_tanh', got 'relu'"):
+            torch.ops.pagedattn.packed_gated_linear(torch.randn(3, 8), packed, None, 64, "relu")
+
+
 @needs_native
 def test_packed_linear_opcheck():
     x, w = torch.randn(5, 24), torch.randn(40, 24)
     for bias in (None, torch.randn(40)):
         torch.library.opcheck(torch.ops.pagedattn.packed_linear,
                               (x, ops.pack_linear_weight(w, torch.bfloat16), bias, 40))
+        torch.library.opcheck(torch.ops.pagedattn.packed_gated_linear,
+                              (x, ops.pack_linear_weight(torch.randn(64, 24)), None, 64,
+                               "gelu_tanh"))
 
 
 @needs_native

@@ -11,6 +11,10 @@ namespace pagedattn {
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kFp8E4m3 = 3, kFp8E5m2 = 4 };
 
+// The gate of a gated MLP (act(gate) * up): SiLU (Llama family) or tanh-approximated GELU
+// (Gemma).
+enum class GatedActivation : int32_t { kSilu = 0, kGeluTanh = 1 };
+
 // Element tags for 16-bit and 8-bit storage types (raw bits). fp8 is a KV-cache format
 // only (fp8.h): queries and outputs stay fp32/bf16/fp16.
 struct bf16_t { uint16_t bits; };
@@ -157,16 +161,21 @@ struct KernelTable {
   // Rows [m_begin, m_end) x panels [p_begin, p_end) of a linear layer.
   void (*linear_block)(const LinearParams& p, int64_t m_begin, int64_t m_end,
                        int64_t p_begin, int64_t p_end) = nullptr;
+  // Rows [m_begin, m_end) x output panels [p_begin, p_end) of a gated MLP projection,
+  // act(gate) * up (layer_kernel_impl.h): p.n is the packed weight's 2d columns.
+  void (*gated_linear_block)(const LinearParams& p, GatedActivation act, int64_t m_begin,
+                             int64_t m_end, int64_t p_begin, int64_t p_end) = nullptr;
   // Rows [m_begin, m_end) x panels [p_begin, p_end) on vdpbf16ps, the rows first rounded
   // into x_bf16 ((m_end - m_begin) * 2 * k_pairs elements); nullptr where the ISA has no
   // bf16 dot product.
   void (*linear_dpbf16_block)(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
                               int64_t p_begin, int64_t p_end, bf16_t* x_bf16) = nullptr;
   void (*rms_norm_rows)(const NormParams& p, int64_t row_begin, int64_t row_end) = nullptr;
-  // out[r, i] = silu(x[r, i]) * x[r, d + i] for rows [row_begin, row_end); x and out
+  // out[r, i] = act(x[r, i]) * x[r, d + i] for rows [row_begin, row_end); x and out
   // both of `dtype` (kF32 or kBF16), computed in fp32.
-  void (*silu_mul_rows)(const void* x, int64_t x_stride, void* out, int64_t out_stride,
-                        int64_t row_begin, int64_t row_end, int64_t d, DType dtype) = nullptr;
+  void (*act_mul_rows)(GatedActivation act, const void* x, int64_t x_stride, void* out,
+                       int64_t out_stride, int64_t row_begin, int64_t row_end, int64_t d,
+                       DType dtype) = nullptr;
   // Sum of the bytes p[0, n) mod 2^64, read with the ISA's widest loads (stream_read_impl.h):
   // the stream_read op, the bench's DRAM roof.
   uint64_t (*sum_bytes)(const uint8_t* p, int64_t n) = nullptr;

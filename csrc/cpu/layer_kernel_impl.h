@@ -79,44 +79,120 @@ void rms_norm_rows_entry(const NormParams& p, int64_t row_begin, int64_t row_end
   rms_norm_rows_typed<VT, float, float>(p, row_begin, row_end);
 }
 
-// out[:, i] = silu(x[:, i]) * x[:, d + i], silu(a) = a / (1 + exp(-a)).
+// out[:, i] = act(x[:, i]) * x[:, d + i], both activations a logistic gate a / (1 + exp(-z)):
+// silu z = a; gelu_tanh z = 2 sqrt(2/pi) (a + 0.044715 a^3), since 0.5 (1 + tanh(u)) is
+// 1 / (1 + exp(-2u)). The clamped exp keeps both finite at +-inf arguments.
+constexpr float kGeluTanhScale = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
+constexpr float kGeluTanhCubic = 0.044715f;
+
+inline float gate_exponent(GatedActivation act, float a) {
+  return act == GatedActivation::kSilu ? -a
+                                       : -kGeluTanhScale * (a + kGeluTanhCubic * a * a * a);
+}
+
+// act(g) * u, lane by lane.
+template <class VT>
+inline typename VT::V gated_product(GatedActivation act, typename VT::V g, typename VT::V u) {
+  const auto z = act == GatedActivation::kGeluTanh
+                     ? VT::mul(VT::set1(-kGeluTanhScale),
+                               VT::fma(VT::mul(VT::set1(kGeluTanhCubic), g), VT::mul(g, g), g))
+                     : VT::mul(g, VT::set1(-1.f));
+  return VT::mul(VT::div(g, VT::add(VT::set1(1.f), VT::exp(z))), u);
+}
+
 template <class VT, class T>
-void silu_mul_rows_typed(const T* x, int64_t x_stride, T* out, int64_t out_stride,
-                         int64_t row_begin, int64_t row_end, int64_t d) {
-  using V = typename VT::V;
-  const V one = VT::set1(1.f), neg = VT::set1(-1.f);
+void act_mul_rows_typed(GatedActivation act, const T* x, int64_t x_stride, T* out,
+                        int64_t out_stride, int64_t row_begin, int64_t row_end, int64_t d) {
   for (int64_t r = row_begin; r < row_end; ++r) {
     const T* gate = x + r * x_stride;
     const T* up = gate + d;
     T* o = out + r * out_stride;
     int64_t i = 0;
-    for (; i + VT::W <= d; i += VT::W) {
-      const V g = load_f32<VT>(gate + i);
-      const V s = VT::div(g, VT::add(one, VT::exp(VT::mul(g, neg))));
-      store_f32<VT>(o + i, VT::mul(s, load_f32<VT>(up + i)));
-    }
+    for (; i + VT::W <= d; i += VT::W)
+      store_f32<VT>(o + i, gated_product<VT>(act, load_f32<VT>(gate + i), load_f32<VT>(up + i)));
     for (; i < d; ++i) {
       const float g = scalar_f32(gate[i]);
-      scalar_store(o + i, g / (1.f + std::exp(-g)) * scalar_f32(up[i]));
+      scalar_store(o + i, g / (1.f + std::exp(gate_exponent(act, g))) * scalar_f32(up[i]));
     }
   }
 }
 
 template <class VT>
-void silu_mul_rows_entry(const void* x, int64_t x_stride, void* out, int64_t out_stride,
-                         int64_t row_begin, int64_t row_end, int64_t d, DType dtype) {
+void act_mul_rows_entry(GatedActivation act, const void* x, int64_t x_stride, void* out,
+                        int64_t out_stride, int64_t row_begin, int64_t row_end, int64_t d,
+                        DType dtype) {
   if (dtype == DType::kBF16)
-    return silu_mul_rows_typed<VT>(static_cast<const bf16_t*>(x), x_stride,
-                                   static_cast<bf16_t*>(out), out_stride, row_begin, row_end, d);
-  silu_mul_rows_typed<VT>(static_cast<const float*>(x), x_stride, static_cast<float*>(out),
-                          out_stride, row_begin, row_end, d);
+    return act_mul_rows_typed<VT>(act, static_cast<const bf16_t*>(x), x_stride,
+                                  static_cast<bf16_t*>(out), out_stride, row_begin, row_end, d);
+  act_mul_rows_typed<VT>(act, static_cast<const float*>(x), x_stride, static_cast<float*>(out),
+                         out_stride, row_begin, row_end, d);
+}
+
+// A gated MLP's projection and activation in one pass: out[m, j] = act(x . W[j]) *
+// (x . W[d + j]) for j < d, over a packed [2d, k] weight (gate panels [0, d/16), up panels
+// [d/16, 2d/16); d a multiple of 16). Each row tile computes its gate and up tiles into
+// an L1 scratch and writes only the product: the [m, 2d] projection is never stored, and
+// the activation costs no pass of its own. Panels [p_begin, p_end) index the d/16 output
+// panels; p.n is 2d, p.out is [m, d].
+template <class VT, class WT, int MR>
+inline void gated_tile(const LinearParams& p, GatedActivation act, int rows, const float* x,
+                       const WT* gate_panel, const WT* up_panel, const float* gate_bias,
+                       const float* up_bias, float* out) {
+  alignas(64) float gate[MR * kLinearPanel], up[MR * kLinearPanel];
+  if (rows == MR) {
+    linear_tile<VT, WT, MR>(x, p.x_stride, gate_panel, p.k, gate, kLinearPanel, gate_bias,
+                            kLinearPanel);
+    linear_tile<VT, WT, MR>(x, p.x_stride, up_panel, p.k, up, kLinearPanel, up_bias,
+                            kLinearPanel);
+  } else {
+    linear_tail<VT, WT, MR - 1>(rows, x, p.x_stride, gate_panel, p.k, gate, kLinearPanel,
+                                gate_bias, kLinearPanel);
+    linear_tail<VT, WT, MR - 1>(rows, x, p.x_stride, up_panel, p.k, up, kLinearPanel, up_bias,
+                                kLinearPanel);
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < kLinearPanel; c += VT::W)
+      VT::store(out + r * p.out_stride + c,
+                gated_product<VT>(act, VT::load(gate + r * kLinearPanel + c),
+                                  VT::load(up + r * kLinearPanel + c)));
+}
+
+template <class VT, class WT>
+void gated_linear_block_dtype(const LinearParams& p, GatedActivation act, int64_t m_begin,
+                              int64_t m_end, int64_t p_begin, int64_t p_end) {
+  constexpr int MR = linear_tile_rows<VT>();
+  const auto* w = static_cast<const WT*>(p.weight);
+  const int64_t d = p.n / 2, up_offset = d / kLinearPanel * p.k * kLinearPanel;
+  for (int64_t pi = p_begin; pi < p_end; ++pi) {
+    const WT* gate_panel = w + pi * p.k * kLinearPanel;
+    const int64_t col = pi * kLinearPanel;
+    const float* gate_bias = p.bias != nullptr ? p.bias + col : nullptr;
+    const float* up_bias = p.bias != nullptr ? p.bias + d + col : nullptr;
+    for (int64_t m = m_begin; m < m_end; m += MR)
+      gated_tile<VT, WT, MR>(p, act, static_cast<int>(std::min<int64_t>(MR, m_end - m)),
+                             p.x + m * p.x_stride, gate_panel, gate_panel + up_offset,
+                             gate_bias, up_bias, p.out + m * p.out_stride + col);
+  }
+}
+
+template <class VT>
+void gated_linear_block_entry(const LinearParams& p, GatedActivation act, int64_t m_begin,
+                              int64_t m_end, int64_t p_begin, int64_t p_end) {
+  switch (p.weight_dtype) {
+    case DType::kBF16:
+      return gated_linear_block_dtype<VT, bf16_t>(p, act, m_begin, m_end, p_begin, p_end);
+    case DType::kF16:
+      return gated_linear_block_dtype<VT, fp16_t>(p, act, m_begin, m_end, p_begin, p_end);
+    default: return gated_linear_block_dtype<VT, float>(p, act, m_begin, m_end, p_begin, p_end);
+  }
 }
 
 // The model-layer entries of an ISA's table (needs linear_kernel_impl.h included first).
 template <class VT>
 KernelTable with_model_kernels(KernelTable table) {
   table.linear_block = &linear_block_entry<VT>;
+  table.gated_linear_block = &gated_linear_block_entry<VT>;
   table.rms_norm_rows = &rms_norm_rows_entry<VT>;
-  table.silu_mul_rows = &silu_mul_rows_entry<VT>;
+  table.act_mul_rows = &act_mul_rows_entry<VT>;
   return table;
 }

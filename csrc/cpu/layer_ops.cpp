@@ -1,7 +1,7 @@
 // A transformer layer's elementwise steps as single ops (fp32 or bf16 activations, fp32
-// arithmetic, an fp32 residual stream): rms_norm,
-// fused_add_rms_norm, silu_and_mul (vectorised row kernels, layer_kernel_impl.h) and the
-// rotate-half rotary embedding, in place. Validation here, unchecked loops below it.
+// arithmetic, an fp32 residual stream): rms_norm, fused_add_rms_norm, silu_and_mul and
+// gelu_tanh_and_mul (vectorised row kernels, layer_kernel_impl.h) and the rotate-half rotary
+// embedding, in place. Validation here, unchecked loops below it.
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
@@ -78,7 +78,8 @@ at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const a
   return run_norm(x, residual.data_ptr<float>(), residual.stride(0), weight, eps, out_dtype);
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+namespace {
+at::Tensor act_and_mul(const at::Tensor& x, GatedActivation act) {
   check_rows(x, "x");
   const DType dtype = activation_dtype(x.scalar_type(), "x");
   TORCH_CHECK_VALUE(x.size(1) % 2 == 0, "x must have an even last dim [num_tokens, 2 * d], got ",
@@ -89,9 +90,16 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const void* xp = x.data_ptr();
   void* op = out.data_ptr();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-    kt->silu_mul_rows(xp, x.stride(0), op, d, b, e, d, dtype);
+    kt->act_mul_rows(act, xp, x.stride(0), op, d, b, e, d, dtype);
   });
   return out;
+}
+}  // namespace
+
+at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul(x, GatedActivation::kSilu); }
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  return act_and_mul(x, GatedActivation::kGeluTanh);
 }
 
 namespace {
@@ -174,6 +182,7 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, "
         "ScalarType? out_dtype=None) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
         "Tensor cos_sin_cache) -> ()");
 }
@@ -182,5 +191,6 @@ TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {
   m.impl("rms_norm", &pagedattn::rms_norm);
   m.impl("fused_add_rms_norm", &pagedattn::fused_add_rms_norm);
   m.impl("silu_and_mul", &pagedattn::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &pagedattn::gelu_tanh_and_mul);
   m.impl("rotary_embedding", &pagedattn::rotary_embedding);
 }

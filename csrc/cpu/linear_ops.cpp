@@ -1,6 +1,7 @@
 // packed_linear: a model's linear layer over panel-packed weights (linear_kernel_impl.h), for
 // CPUs where torch's half-precision GEMM is slow and for decode-sized batches, where a
-// linear layer is a stream over its weights. packed_linear_dpbf16: the same with bf16
+// linear layer is a stream over its weights. packed_gated_linear: a gated MLP's gate/up
+// projection with its activation applied in the kernel (act(gate) * up). packed_linear_dpbf16: the same with bf16
 // (or fp32, rounded) activations on vdpbf16ps (linear_dpbf16_impl.h, AVX512-BF16), fp32 or
 // bf16 out. Validation here, unchecked
 // loops in the ISA TUs.
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "binding_utils.h"
@@ -44,10 +46,10 @@ void check_panels(int64_t out_features, int64_t panels) {
                     "out_features ", out_features, " does not match packed_weight's ", panels,
                     " panels of ", kLinearPanel, " columns");
 }
-}  // namespace
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
-                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+// The weight's dtype, after checking x, packed_weight and out_features agree.
+DType check_packed_linear_args(const at::Tensor& x, const at::Tensor& packed_weight,
+                               int64_t out_features) {
   check_x(x);
   check_cpu(packed_weight, "packed_weight");
   const DType wdt = to_dtype(packed_weight.scalar_type(), "packed_weight");
@@ -56,26 +58,72 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                     "), in_features, ", kLinearPanel, "] (pack_linear_weight), got shape ",
                     packed_weight.sizes());
   TORCH_CHECK_VALUE(packed_weight.is_contiguous(), "packed_weight must be contiguous");
-  const int64_t k = x.size(1), panels = packed_weight.size(0);
-  TORCH_CHECK_VALUE(packed_weight.size(1) == k, "x has ", k, " features but packed_weight has ",
-                    packed_weight.size(1));
-  check_panels(out_features, panels);
+  TORCH_CHECK_VALUE(packed_weight.size(1) == x.size(1), "x has ", x.size(1),
+                    " features but packed_weight has ", packed_weight.size(1));
+  check_panels(out_features, packed_weight.size(0));
+  return wdt;
+}
+
+// Runs block(p, m_begin, m_end, p_begin, p_end) over `panels` output panels, each thread
+// taking whole panels and walking them one row block at a time.
+template <class Block>
+void run_panels(const LinearParams& p, int64_t panels, int64_t macs_per_row_panel,
+                const Block& block) {
+  const int64_t grain = std::max<int64_t>(
+      1, kMinChunkMacs / (std::min(p.m, kRowBlock) * macs_per_row_panel));
+  at::parallel_for(0, panels, grain, [&](int64_t pb, int64_t pe) {
+    for (int64_t mb = 0; mb < p.m; mb += kRowBlock) block(p, mb, std::min(p.m, mb + kRowBlock), pb, pe);
+  });
+}
+}  // namespace
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+  const DType wdt = check_packed_linear_args(x, packed_weight, out_features);
   const at::Tensor bias_c = checked_bias(bias, out_features);
   const float* bias_ptr = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  const int64_t m = xc.size(0);
+  const int64_t m = xc.size(0), k = xc.size(1);
   at::Tensor out = at::empty({m, out_features}, x.options());
   if (m == 0) return out;
   if (k == 0) return bias_ptr != nullptr ? out.copy_(bias_c.expand({m, out_features})) : out.zero_();
 
   LinearParams p{xc.data_ptr<float>(), xc.stride(0), packed_weight.data_ptr(), wdt, bias_ptr,
                  out.data_ptr<float>(), out.stride(0), m, out_features, k};
-  const KernelTable* kt = current_kernels();
-  const int64_t grain = std::max<int64_t>(1, kMinChunkMacs / (std::min(m, kRowBlock) * k * kLinearPanel));
-  at::parallel_for(0, panels, grain, [&](int64_t pb, int64_t pe) {
-    for (int64_t mb = 0; mb < m; mb += kRowBlock)
-      kt->linear_block(p, mb, std::min(m, mb + kRowBlock), pb, pe);
-  });
+  run_panels(p, packed_weight.size(0), k * kLinearPanel, current_kernels()->linear_block);
+  return out;
+}
+
+namespace {
+GatedActivation gated_activation(c10::string_view name) {
+  if (name == "silu") return GatedActivation::kSilu;
+  TORCH_CHECK_VALUE(name == "gelu_tanh", "activation must be 'silu' or 'gelu_tanh', got '",
+                    std::string(name), "'");
+  return GatedActivation::kGeluTanh;
+}
+}  // namespace
+
+at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                               const std::optional<at::Tensor>& bias, int64_t out_features,
+                               c10::string_view activation) {
+  const GatedActivation act = gated_activation(activation);
+  const DType wdt = check_packed_linear_args(x, packed_weight, out_features);
+  TORCH_CHECK_VALUE(out_features % (2 * kLinearPanel) == 0, "out_features (gate and up, ",
+                    out_features, ") must be a multiple of ", 2 * kLinearPanel,
+                    ": each half a whole number of ", kLinearPanel, "-column panels");
+  const at::Tensor bias_c = checked_bias(bias, out_features);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), d = out_features / 2;
+  at::Tensor out = at::empty({m, d}, x.options());
+  if (m == 0) return out;
+  LinearParams p{xc.data_ptr<float>(), xc.stride(0), packed_weight.data_ptr(), wdt,
+                 bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                 out.stride(0), m, out_features, k};
+  const auto block = current_kernels()->gated_linear_block;
+  run_panels(p, d / kLinearPanel, 2 * std::max<int64_t>(k, 1) * kLinearPanel,
+             [&](const LinearParams& lp, int64_t mb, int64_t me, int64_t pb, int64_t pe) {
+               block(lp, act, mb, me, pb, pe);
+             });
   return out;
 }
 
@@ -144,11 +192,14 @@ at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_we
 
 TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("packed_gated_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, "
+        "str activation) -> Tensor");
   m.def("packed_linear_dpbf16(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, "
         "ScalarType? out_dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {
   m.impl("packed_linear", &pagedattn::packed_linear);
+  m.impl("packed_gated_linear", &pagedattn::packed_gated_linear);
   m.impl("packed_linear_dpbf16", &pagedattn::packed_linear_dpbf16);
 }

@@ -97,7 +97,6 @@ class ModelRunner:
         the logprobs (``sampler.TokenLogprobs``) of those that asked for them."""
         input_ids, positions, common, query_lens = self.prepare(out)
         attn_metadata = self.builder.build(0, common)
-        hidden = self.forward_fn(input_ids, positions, self.kv_caches, attn_metadata)
         reqs = self.input_batch.requests
         qsl = common.query_start_loc_cpu.tolist()
         rows, sampled_reqs = [], []
@@ -105,9 +104,12 @@ class ModelRunner:
             if r.num_computed_tokens + q == r.num_tokens:
                 rows.append(qsl[i + 1] - 1)
                 sampled_reqs.append(r)
+        # Only the sampled rows leave the last layer's attention (a partial prefill's none).
+        hidden = self.forward_fn(input_ids, positions, self.kv_caches, attn_metadata,
+                                 torch.tensor(rows, dtype=torch.long))
         if not rows:
             return {}, {}
-        logits = self.model.compute_logits(hidden[rows]).float()
+        logits = self.model.compute_logits(hidden).float()
         result: SamplerOutput = sample(logits, sampled_reqs,
                                        [self._generator(r) for r in sampled_reqs])
         tokens = {r.req_id: t for r, t in zip(sampled_reqs, result.tokens)}

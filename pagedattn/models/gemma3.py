@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn import ops
-from pagedattn.models.layers import PagedAttention, RotaryEmbedding, native_dtypes
+from pagedattn.models.layers import (PagedAttention, RotaryEmbedding, gated_projection, keep_rows,
+                                     native_dtypes)
 from pagedattn.models.loader import WeightCopier, fused_projections
 
 GEMMA3_MODEL_TYPES = ("gemma3_text",)
@@ -194,10 +195,14 @@ class GemmaRMSNorm(nn.Module):
         return (h * self.scale()).to(x.dtype)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` of a fused gate/up projection ``[T, 2 d]``."""
+def gelu_tanh_and_mul(x: torch.Tensor,
+                      native: frozenset[torch.dtype] = frozenset({torch.float32})) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` of a fused gate/up projection ``[T, 2 d]``; on the native op
+    for the dtypes in ``native`` (see :func:`pagedattn.models.layers.native_dtypes`)."""
+    if x.dim() == 2 and x.dtype in native and ops.native_available():
+        return ops.gelu_tanh_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    return F.gelu(gate, approximate="tanh") * up  # Hugging Face's order and roundings
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -221,12 +226,14 @@ class Gemma3DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, act_dtype)
+        self.mlp_native_dtypes = native_dtypes(act_dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                rotary: RotaryEmbedding, kv_cache: torch.Tensor,
-                attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
+                rotary: RotaryEmbedding, kv_cache: torch.Tensor, attn_metadata,
+                output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, residual)`` after the layer: ``x`` is the MLP's output after its post-norm,
-        not yet added to the residual stream (the next layer's first norm adds it)."""
+        not yet added to the residual stream (the next layer's first norm adds it).
+        ``output_rows``: only those rows go on past attention (see :func:`keep_rows`)."""
         t = x.shape[0]
         if residual is None:
             h, residual = self.input_layernorm(x), x
@@ -237,10 +244,13 @@ class Gemma3DecoderLayer(nn.Module):
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         q, k = rotary(positions, q, k)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        attn = self.attn(q, k, v, kv_cache, attn_metadata)
-        h = self.post_attention_layernorm(self.o_proj(attn.view(t, self.q_size)))
+        attn = self.attn(q, k, v, kv_cache, attn_metadata).view(t, self.q_size)
+        attn, residual = keep_rows(output_rows, attn, residual)
+        h = self.post_attention_layernorm(self.o_proj(attn))
         h, residual = self.pre_feedforward_layernorm(h, residual)
-        h = self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(h)))
+        h = self.down_proj(gated_projection(
+            self.gate_up_proj, h, "gelu_tanh",
+            lambda gate_up: gelu_tanh_and_mul(gate_up, self.mlp_native_dtypes)))
         return self.post_feedforward_layernorm(h), residual
 
 
@@ -276,11 +286,15 @@ class Gemma3ForCausalLM(nn.Module):
         return x * self.embed_scale.to(x.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states ``[T, hidden]``, or of ``output_rows`` only (see
+        :func:`keep_rows`)."""
         x, residual = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(positions, x, residual, self.rotary[layer.layer_type], kv_cache,
-                                attn_metadata)
+                                attn_metadata, output_rows if i == last else None)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

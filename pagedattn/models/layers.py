@@ -3,6 +3,8 @@ the paged attention layer that hands one layer's Q/K/V to the selected backend's
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,6 +63,17 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def keep_rows(rows: torch.Tensor | None, attn: torch.Tensor,
+              residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn`` and ``residual`` cut to ``rows`` (``None``: all of them), in the last layer
+    of a step: every row's keys and values are in the cache by then, and only the rows the
+    engine samples need the rest of the model (a long prefill samples one row in
+    thousands, so this skips most of the last layer's linear work)."""
+    if rows is None:
+        return attn, residual
+    return attn.index_select(0, rows), residual.index_select(0, rows)
+
+
 def silu_and_mul(x: torch.Tensor,
                  native: frozenset[torch.dtype] = frozenset({torch.float32})) -> torch.Tensor:
     """``silu(gate) * up`` of a fused gate/up projection ``[T, 2 d]``; on the native op
@@ -92,9 +105,36 @@ class PackedLinear(nn.Module):
             return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         return ops.packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
+    def gated(self, x: torch.Tensor, activation: str,
+              act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``act(gate) * up`` of this gate/up projection, in one kernel where it can."""
+        if not fusable(x, self.out_features):
+            return act_and_mul(self(x))
+        return ops.packed_gated_linear(x, self.packed_weight, self.bias, self.out_features,
+                                       activation)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weight_dtype={self.packed_weight.dtype}, bias={self.bias is not None}")
+
+
+def fusable(x: torch.Tensor, out_features: int) -> bool:
+    """Whether ``ops.packed_gated_linear`` serves a gate/up projection of ``x``: the native
+    op, 2-D fp32 or bf16 rows, and halves of whole 16-column panels."""
+    return (ops.native_available() and x.dim() == 2 and out_features % (2 * ops.LINEAR_PANEL) == 0
+            and x.dtype in (torch.float32, torch.bfloat16))
+
+
+def gated_projection(gate_up: nn.Module, x: torch.Tensor, activation: str,
+                     act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A gated MLP's ``act(gate) * up`` from its fused gate/up projection ``gate_up``.
+    Packed layers compute it in one kernel (the ``[T, 2 d]`` projection is never written,
+    and the activation costs no pass over memory of its own); any other layer runs, then
+    ``act_and_mul`` (``activation``'s op)."""
+    gated = getattr(gate_up, "gated", None)
+    if gated is None:
+        return act_and_mul(gate_up(x))
+    return gated(x, activation, act_and_mul)
 
 
 def replace_linear_layers(model: nn.Module, make) -> list[nn.Module]:

@@ -48,7 +48,7 @@ from torch import nn
 
 from pagedattn import ops
 from pagedattn.machine import cache_dir, cpu_flags, cpu_model
-from pagedattn.models.layers import replace_linear_layers
+from pagedattn.models.layers import fusable, replace_linear_layers
 
 FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
 CACHE_FORMAT = 2  # 2: shape keys name the activation and output dtypes
@@ -240,6 +240,19 @@ class MeasuredLinear(nn.Module):
             x = x.to(self.act_dtype)
         m = x.shape[0]
         return (self._by_rows[m] if m < _DIRECT_ROWS else self._big)(x)
+
+    def gated(self, x: torch.Tensor, activation: str,
+              act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``act(gate) * up`` of this gate/up projection (see
+        :func:`pagedattn.models.layers.gated_projection`): in one kernel when these rows
+        run on the packed path, else the chosen path, then ``act_and_mul``."""
+        m = x.shape[0]
+        runner = self._by_rows[m] if m < _DIRECT_ROWS else self._big
+        if runner != self._packed or not fusable(x, self.out_features):
+            return act_and_mul(self.forward(x))
+        out = torch.ops.pagedattn.packed_gated_linear(x.float(), self.packed_weight, self.bias,
+                                                      self.out_features, activation)
+        return out.to(self.out_dtype)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.pagedattn.packed_linear(x.float(), self.packed_weight, self.bias,

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.models.loader import WeightCopier, fused_projections
-from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, native_dtypes,
-                                     silu_and_mul)
+from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gated_projection,
+                                     keep_rows, native_dtypes, silu_and_mul)
 
 DECODER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM"}
@@ -99,9 +99,10 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                rotary: RotaryEmbedding, kv_cache: torch.Tensor,
-                attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, residual)`` after the layer; the next layer (or the final norm) adds them."""
+                rotary: RotaryEmbedding, kv_cache: torch.Tensor, attn_metadata,
+                output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual)`` after the layer; the next layer (or the final norm) adds them.
+        ``output_rows``: only those rows go on past attention (see :func:`keep_rows`)."""
         t = x.shape[0]
         if residual is None:
             h, residual = self.input_layernorm(x), x
@@ -112,9 +113,12 @@ class LlamaDecoderLayer(nn.Module):
         q, k = rotary(positions, q.view(t, self.num_heads, self.head_dim),
                       k.view(t, self.num_kv_heads, self.head_dim))
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        attn = self.attn(q, k, v, kv_cache, attn_metadata)
-        h, residual = self.post_attention_layernorm(self.o_proj(attn.view(t, self.q_size)), residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h), self.native_dtypes)), residual
+        attn = self.attn(q, k, v, kv_cache, attn_metadata).view(t, self.q_size)
+        attn, residual = keep_rows(output_rows, attn, residual)
+        h, residual = self.post_attention_layernorm(self.o_proj(attn), residual)
+        act = gated_projection(self.gate_up_proj, h, "silu",
+                               lambda gate_up: silu_and_mul(gate_up, self.native_dtypes))
+        return self.down_proj(act), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,10 +141,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states ``[T, hidden]``, or of ``output_rows`` only (the rows
+        the caller samples): the last layer then skips the rest's MLP (see
+        :func:`keep_rows`)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, self.rotary, kv_cache, attn_metadata)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer(positions, x, residual, self.rotary, kv_cache, attn_metadata,
+                                output_rows if i == last else None)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

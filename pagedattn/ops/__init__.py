@@ -50,8 +50,9 @@ __all__ = [
     "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
     "cpu_attention_with_kv_cache", "metadata_numel",
     "LINEAR_PANEL", "PACKED_LINEAR_DTYPES", "pack_linear_weight", "packed_linear",
+    "GATED_ACTIVATIONS", "packed_gated_linear",
     "dpbf16_linear_available", "pack_linear_weight_dpbf16", "packed_linear_dpbf16",
-    "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
+    "rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
     "stream_read",
 ]
 
@@ -402,6 +403,35 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return torch.ops.pagedattn.packed_linear(x, packed_weight, bias, n)
 
 
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def packed_gated_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                        out_features: int, activation: str) -> torch.Tensor:
+    """A gated MLP's gate/up projection and its activation in one kernel:
+    ``act(h[:, :d]) * h[:, d:]`` of ``h = x @ W.T + bias``, where ``W`` (packed by
+    :func:`pack_linear_weight`) holds the gate's ``d`` rows, then the up projection's.
+
+    Args:
+        x, packed_weight, bias: as for :func:`packed_linear`.
+        out_features: ``2 d``, the projection's width; ``d`` must be a multiple of 16
+            (whole weight panels per half).
+        activation: ``"silu"`` (Llama's MLP) or ``"gelu_tanh"`` (GELU's tanh
+            approximation, Gemma's).
+
+    Returns float32 ``[num_tokens, d]``, equal to :func:`silu_and_mul` /
+    :func:`gelu_tanh_and_mul` of :func:`packed_linear`'s output; the ``[num_tokens, 2 d]``
+    projection is never written to memory.
+    """
+    n = _int64("out_features", out_features)
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
+    if not native_available():
+        return _fallback("packed_gated_linear").packed_gated_linear(x, packed_weight, bias, n,
+                                                                    activation)
+    return torch.ops.pagedattn.packed_gated_linear(x, packed_weight, bias, n, activation)
+
+
 def dpbf16_linear_available() -> bool:
     """Whether :func:`packed_linear_dpbf16` runs here: the native extension with the
     ``avx512bf16`` kernels in use (a CPU with AVX512-BF16, not forced to a lower ISA)."""
@@ -487,6 +517,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not native_available():
         return _fallback("silu_and_mul").silu_and_mul(x)
     return torch.ops.pagedattn.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x[:, :d]) * x[:, d:]`` (GELU with the tanh approximation, Gemma's MLP
+    gate) for ``x`` ``[T, 2 d]`` (float32 or bfloat16, computed in fp32); returns ``[T, d]``
+    of ``x.dtype``."""
+    if not native_available():
+        return _fallback("gelu_tanh_and_mul").gelu_tanh_and_mul(x)
+    return torch.ops.pagedattn.gelu_tanh_and_mul(x)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

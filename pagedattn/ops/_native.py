@@ -73,6 +73,10 @@ if AVAILABLE:
     def _packed_linear_fake(x, packed_weight, bias, out_features):
         return x.new_empty((x.shape[0], out_features))
 
+    @torch.library.register_fake("pagedattn::packed_gated_linear")
+    def _packed_gated_linear_fake(x, packed_weight, bias, out_features, activation):
+        return x.new_empty((x.shape[0], out_features // 2))
+
     @torch.library.register_fake("pagedattn::packed_linear_dpbf16")
     def _packed_linear_dpbf16_fake(x, packed_weight, bias, out_features, out_dtype=None):
         return x.new_empty((x.shape[0], out_features), dtype=out_dtype or torch.float32)
@@ -87,6 +91,10 @@ if AVAILABLE:
 
     @torch.library.register_fake("pagedattn::silu_and_mul")
     def _silu_and_mul_fake(x):
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("pagedattn::gelu_tanh_and_mul")
+    def _gelu_tanh_and_mul_fake(x):
         return x.new_empty((x.shape[0], x.shape[1] // 2))
 
     @torch.library.register_fake("pagedattn::rotary_embedding")

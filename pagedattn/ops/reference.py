@@ -23,6 +23,7 @@ absolute position ``p = kv_len - q_len + i``)::
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -554,6 +555,19 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return out.float()
 
 
+def packed_gated_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                        out_features: int, activation: str) -> torch.Tensor:
+    """Reference of ``pagedattn.ops.packed_gated_linear``: the gate/up projection
+    ``h = x @ W.T + bias`` (``out_features = 2 d`` columns, gate first), then
+    ``act(h[:, :d]) * h[:, d:]``, in float64; returned in float32."""
+    acts = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+    w = unpack_linear_weight(packed_weight, out_features).double()
+    h = x.double() @ w.T
+    if bias is not None:
+        h = h + bias.double()
+    return acts[activation](h).float()
+
+
 # ------------------------------------------------------------------ layer steps (fp32)
 
 
@@ -576,10 +590,24 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for ``x`` of width ``2 d``, in fp32 for half ``x``
-    (rounded once to ``x.dtype``)."""
+    (rounded once to ``x.dtype``; fp64 ``x`` stays fp64)."""
     d = x.shape[-1] // 2
-    h = x.float()
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
     return (torch.nn.functional.silu(h[..., :d]) * h[..., d:]).to(x.dtype)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(x[:, :d], approximate="tanh") * x[:, d:]`` for ``x`` of width ``2 d``, in fp32
+    for half ``x`` (rounded once to ``x.dtype``; fp64 ``x`` stays fp64).
+
+    GELU-tanh ``0.5 a (1 + tanh(u))``, ``u = sqrt(2/pi) (a + 0.044715 a^3)``, is written as
+    ``a * sigmoid(2 u)``, the same function: ``1 + tanh(u)`` cancels to 0 for negative
+    gates (below -5 in fp64), while the sigmoid keeps their tiny values."""
+    d = x.shape[-1] // 2
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    gate = h[..., :d]
+    u = (2 / math.pi) ** 0.5 * (gate + 0.044715 * gate.pow(3))
+    return (gate * torch.sigmoid(2 * u) * h[..., d:]).to(x.dtype)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
