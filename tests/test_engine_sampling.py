@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedattn.engine.request import Request
-from pagedattn.engine.sampler import apply_logits_processors, sample
+from pagedattn.engine.sampler import ARGMAX_CHUNK, apply_logits_processors, argmax_rows, sample
 from pagedattn.engine.sampling_params import SamplingParams
 
 EOS = 3
@@ -80,3 +80,27 @@ def test_logprobs_only_for_requests_that_ask():
 def test_bad_values_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def _argmax_cases() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 8 * ARGMAX_CHUNK
+    x = torch.randn(9, vocab, generator=gen)
+    x[1, 5 * ARGMAX_CHUNK + 7] = x[1, 2 * ARGMAX_CHUNK + 3] = 50.0  # tie across chunks
+    x[2, 100] = x[2, 101] = 50.0                                     # tie inside a chunk
+    x[3, 3 * ARGMAX_CHUNK + 9] = float("nan")                        # NaN counts as maximal
+    x[3, 6 * ARGMAX_CHUNK] = float("nan")
+    x[4] = float("-inf")
+    x[5, -1] = 50.0                                                  # the very last token
+    x[6, 0] = float("inf")
+    x[7] = 0.0                                                       # all equal
+    return {"chunked": x, "odd_vocab": torch.randn(3, 5 * ARGMAX_CHUNK + 1, generator=gen),
+            "small_vocab": torch.randn(2, 100, generator=gen),
+            "strided": torch.randn(4, 2 * vocab, generator=gen)[:, ::2],
+            "no_rows": torch.empty(0, vocab)}
+
+
+@pytest.mark.parametrize("case", list(_argmax_cases()))
+def test_argmax_rows_is_torchs_argmax(case):
+    logits = _argmax_cases()[case]
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))

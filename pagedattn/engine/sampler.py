@@ -84,12 +84,29 @@ def _pick(row: torch.Tensor, req: Request, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of ``[n, vocab]`` logits, the same index (the first
+    maximal one; NaN counts as maximal), in two passes: each chunk's max, then the argmax
+    inside the best chunk. torch's CPU argmax reduces about 4x slower than its max, and a
+    batch's greedy argmax over a 262,144-token vocabulary cost ~9 ms per step."""
+    rows, vocab = logits.shape
+    if vocab % ARGMAX_CHUNK or vocab < 4 * ARGMAX_CHUNK or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    chunks = logits.view(rows, vocab // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # the first chunk holding the row's max
+    within = chunks[torch.arange(rows), best].argmax(dim=-1)
+    return best * ARGMAX_CHUNK + within
+
+
 def sample(logits: torch.Tensor, reqs: list[Request],
            generators: list[torch.Generator | None]) -> SamplerOutput:
     """One token per row of ``logits`` (``[n, vocab]``), row ``i`` for ``reqs[i]``."""
     plain = not any(_needs_processing(r) or r.sampling_params.logprobs is not None for r in reqs)
     if plain and all(r.sampling_params.greedy for r in reqs):
-        return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(reqs))
+        return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(reqs))
     logits = apply_logits_processors(logits.float(), reqs)
     tokens, logprobs = [], []
     for row, req, gen in zip(logits, reqs, generators):
