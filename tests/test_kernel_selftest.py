@@ -12,7 +12,11 @@ import pathlib
 import shutil
 import subprocess
 
+import platform
+
 import pytest
+
+from pagedattn import ops
 
 # Slow tier: the builds take ~30 s natively and ~12 s for aarch64 on 2 cores, and the fast
 # tier already checks every table this CPU runs through torch (test_cpu_ops.py).
@@ -71,3 +75,14 @@ def test_neon_kernels_under_qemu(tmp_path):
 def test_selftest_rejects_an_unknown_table(native_selftest):
     proc = subprocess.run([str(native_selftest), "sve2"], capture_output=True, text=True)
     assert proc.returncode == 2 and "no kernel table sve2" in proc.stdout
+
+
+def test_selftest_refuses_a_table_this_cpu_cannot_run(native_selftest):
+    """Naming a table must not build it first: building runs code compiled for its ISA
+    (an AVX2 CPU died of an illegal instruction looking up the avx512 table by name)."""
+    runs = {isa.value for isa in ops.supported_cpu_isas()}
+    missing = [n for n in ("avx2", "avx512", "avx512bf16") if n not in runs]
+    if platform.machine() != "x86_64" or not missing:
+        pytest.skip("this CPU runs every x86 kernel table")
+    proc = subprocess.run([str(native_selftest), missing[-1]], capture_output=True, text=True)
+    assert proc.returncode == 2 and f"cannot execute the {missing[-1]} kernels" in proc.stdout

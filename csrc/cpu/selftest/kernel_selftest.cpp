@@ -292,12 +292,12 @@ std::vector<Case> cases() {
   };
 }
 
+// The table called `name` where this CPU executes it; nullptr where the build has none.
+// Names are matched before any table is built: building one runs code compiled for its
+// ISA, which an older CPU cannot execute.
 const pa::KernelTable* table_named(const std::string& name) {
-  for (int i = 0; i < pa::kNumCpuIsa; ++i) {
-    const auto isa = static_cast<pa::CpuIsa>(i);
-    const pa::KernelTable* kt = pa::kernel_table_for(isa);
-    if (kt != nullptr && name == kt->name) return kt;
-  }
+  for (int i = 0; i < pa::kNumCpuIsa; ++i)
+    if (name == pa::cpu_isa_name(i)) return pa::kernel_table_for(static_cast<pa::CpuIsa>(i));
   return nullptr;
 }
 
@@ -317,9 +317,13 @@ int main(int argc, char** argv) {
   std::vector<std::string> wanted(argv + 1, argv + argc);
   if (wanted.empty())
     for (const char* n : {"scalar", "avx2", "avx512", "avx512bf16", "neon"})
-      if (table_named(n) != nullptr && executable(n)) wanted.push_back(n);
+      if (executable(n) && table_named(n) != nullptr) wanted.push_back(n);
   std::mt19937 rng(1234);
   for (const auto& name : wanted) {
+    if (!executable(name)) {
+      std::printf("FAIL this CPU cannot execute the %s kernels\n", name.c_str());
+      return 2;
+    }
     const pa::KernelTable* kt = table_named(name);
     if (kt == nullptr) {
       std::printf("FAIL no kernel table %s in this build\n", name.c_str());
