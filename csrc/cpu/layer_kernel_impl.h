@@ -85,11 +85,6 @@ void rms_norm_rows_entry(const NormParams& p, int64_t row_begin, int64_t row_end
 constexpr float kGeluTanhScale = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
 constexpr float kGeluTanhCubic = 0.044715f;
 
-inline float gate_exponent(GatedActivation act, float a) {
-  return act == GatedActivation::kSilu ? -a
-                                       : -kGeluTanhScale * (a + kGeluTanhCubic * a * a * a);
-}
-
 // act(g) * u, lane by lane.
 template <class VT>
 inline typename VT::V gated_product(GatedActivation act, typename VT::V g, typename VT::V u) {
@@ -110,10 +105,8 @@ void act_mul_rows_typed(GatedActivation act, const T* x, int64_t x_stride, T* ou
     int64_t i = 0;
     for (; i + VT::W <= d; i += VT::W)
       store_f32<VT>(o + i, gated_product<VT>(act, load_f32<VT>(gate + i), load_f32<VT>(up + i)));
-    for (; i < d; ++i) {
-      const float g = scalar_f32(gate[i]);
-      scalar_store(o + i, g / (1.f + std::exp(gate_exponent(act, g))) * scalar_f32(up[i]));
-    }
+    for (; i < d; ++i)
+      scalar_store(o + i, gated_product<VecScalar>(act, scalar_f32(gate[i]), scalar_f32(up[i])));
   }
 }
 

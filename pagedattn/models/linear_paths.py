@@ -238,17 +238,17 @@ class MeasuredLinear(nn.Module):
             return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)
-        m = x.shape[0]
-        return (self._by_rows[m] if m < _DIRECT_ROWS else self._big)(x)
+        return self._runner_for(x.shape[0])(x)
+
+    def _runner_for(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self._by_rows[rows] if rows < _DIRECT_ROWS else self._big
 
     def gated(self, x: torch.Tensor, activation: str,
               act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``act(gate) * up`` of this gate/up projection (see
         :func:`pagedattn.models.layers.gated_projection`): in one kernel when these rows
         run on the packed path, else the chosen path, then ``act_and_mul``."""
-        m = x.shape[0]
-        runner = self._by_rows[m] if m < _DIRECT_ROWS else self._big
-        if runner != self._packed or not fusable(x, self.out_features):
+        if self._runner_for(x.shape[0]) != self._packed or not fusable(x, self.out_features):
             return act_and_mul(self.forward(x))
         out = torch.ops.pagedattn.packed_gated_linear(x.float(), self.packed_weight, self.bias,
                                                       self.out_features, activation)
