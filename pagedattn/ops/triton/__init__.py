@@ -30,7 +30,8 @@ import torch
 
 __all__ = ["reshape_and_cache_flash", "unified_attention", "launch_problem",
            "triton_import_problem", "FP8_CACHE_DTYPES", "KernelLaunch",
-           "plan_reshape_and_cache_flash", "plan_unified_attention"]
+           "plan_reshape_and_cache_flash", "plan_unified_attention", "Tiles",
+           "TILE_TABLE"]
 
 from pagedattn.checks import is_int, is_number, require_int  # noqa: E402
 from pagedattn.ops.reference import FP8_CACHE_DTYPES  # noqa: E402 (kv_cache_dtype -> fp8 dtype)
@@ -311,29 +312,79 @@ def _check_batch_values(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
 
 
 MAX_KV_SPLITS = 64
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
-class _Tiles:
+class Tiles:
+    """Tile shape and launch options of :func:`unified_attention`'s kernel: a tile is
+    ``block_q`` query tokens times ``group_p`` heads (rows) by ``block_n`` keys, the
+    head padded to ``head_p``. :func:`plan_unified_attention` chooses one; its
+    ``tiles=`` argument takes another (benchmarks/tune_gpu_prefill.py sweeps them)."""
+
     block_q: int
     group_p: int
     head_p: int
     block_n: int
     num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.group_p
 
 
-def _tile_sizes(max_seqlen_q: int, group: int, head_size: int, *, big: bool) -> _Tiles:
-    """Tile shape of :func:`unified_attention`. ``tl.dot`` needs every dimension >= 16;
-    decode tiles stay at 16 rows (one token times the group), prefill tiles grow to 64
-    rows, or to 128 rows by 64 keys with 8 warps where ``big`` (16-bit data on a GPU:
-    the interpreter and fp32 keep the small tiles, fp32 for shared memory)."""
+# (rows, keys, num_warps, num_stages) of a tile, by step kind, for head sizes up to 128;
+# rows = query tokens x the heads of a GQA group. The one place the tiles are chosen.
+# - "small": fp32 (whose tiles would not fit shared memory at the 16-bit sizes) and the
+#   interpreter (where every tile costs Python time).
+# - "gpu": 16-bit data on a GPU before Hopper, as measured on an H100 before the Hopper
+#   table existed.
+# - "hopper": 16-bit data on compute capability 9.x, from benchmarks/tune_gpu_prefill.py
+#   (docs/gpu_backends.md has the sweep).
+TILE_TABLE: dict[str, dict[str, tuple[int, int, int, int]]] = {
+    "small": {"decode": (16, 32, 4, 2), "prefill": (64, 32, 4, 2)},
+    "gpu": {"decode": (16, 64, 4, 3), "prefill": (128, 64, 8, 3)},
+    "hopper": {"decode": (16, 64, 4, 3), "prefill": (128, 64, 8, 3)},
+}
+SHARED_MEMORY_BUDGET = 160 * 1024
+"""Bytes of K/V stages (plus the Q tile) a plan may ask for: under every CUDA GPU's
+per-block limit from Ampere on (A100 164 KB, H100 227 KB) with room for Triton's own
+scratch. Head sizes past 128 trade stages, then keys per tile, to stay inside it."""
+
+
+def _tile_table_key(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type != "cuda" or dtype == torch.float32:
+        return "small"
+    return "hopper" if _capability(device)[0] == 9 else "gpu"
+
+
+def _tile_sizes(max_seqlen_q: int, group: int, head_size: int, table: str) -> Tiles:
+    """Tile shape of :func:`unified_attention` from ``TILE_TABLE[table]``. ``tl.dot``
+    needs every dimension >= 16, so a decode tile is one token times the group, padded
+    to 16 rows; prefill tiles hold as many tokens as the table's rows allow."""
     group_p = _next_pow2(group)
-    target_rows = 16 if max_seqlen_q <= 1 else (128 if big else 64)
-    block_q = max(1, target_rows // group_p, 16 // group_p)
+    head_p = max(16, _next_pow2(head_size))
+    rows, block_n, num_warps, num_stages = TILE_TABLE[table][
+        "decode" if max_seqlen_q <= 1 else "prefill"]
+    block_q = max(1, rows // group_p, 16 // group_p)
     block_q = min(block_q, max(_next_pow2(max_seqlen_q), 16 // group_p, 1))
-    num_warps = 8 if big and block_q * group_p >= 128 else 4
-    return _Tiles(block_q, group_p, max(16, _next_pow2(head_size)), 64 if big else 32,
-                  num_warps)
+    if block_q * group_p < rows:
+        num_warps = min(num_warps, 4)  # a short prefill's tile is no bigger than a decode's
+
+    def shared_bytes(n, stages):
+        return 2 * head_p * (stages * 2 * n + block_q * group_p)
+
+    while num_stages > 2 and shared_bytes(block_n, num_stages) > SHARED_MEMORY_BUDGET:
+        num_stages -= 1
+    while block_n > 16 and shared_bytes(block_n, num_stages) > SHARED_MEMORY_BUDGET:
+        block_n //= 2
+    return Tiles(block_q, group_p, head_p, block_n, num_warps, num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,6 +425,7 @@ def unified_attention(
     sinks: torch.Tensor | None = None,
     *,
     num_kv_splits: int | None = None,
+    tiles: Tiles | None = None,
 ) -> None:
     """Paged attention of a varlen batch (decodes, chunked prefills and whole prefills
     mixed, in any order) in one launch; fills ``out[:cu_seqlens_q[-1]]``.
@@ -404,6 +456,8 @@ def unified_attention(
         num_kv_splits: split each request's keys into this many slices, attended in
             parallel and merged (split-KV); ``None`` chooses: on a GPU, decode batches
             too small to fill it are split, anything else is not.
+        tiles: the kernel's tile shape and launch options (:class:`Tiles`); ``None``
+            takes the plan's (``TILE_TABLE``). For tuning.
 
     GQA/MQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``; any
     group size and any head size (padded inside the kernel) work.
@@ -411,13 +465,15 @@ def unified_attention(
     _run(plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
                                 max_seqlen_k, softmax_scale, causal, alibi_slopes,
                                 window_size, block_table, softcap, q_descale, k_descale,
-                                v_descale, sinks, num_kv_splits=num_kv_splits), q.device)
+                                v_descale, sinks, num_kv_splits=num_kv_splits, tiles=tiles),
+         q.device)
 
 
 def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
                            softmax_scale, causal, alibi_slopes, window_size, block_table,
                            softcap, q_descale, k_descale, v_descale,
-                           sinks=None, *, num_kv_splits=None) -> KernelLaunch | None:
+                           sinks=None, *, num_kv_splits=None,
+                           tiles=None) -> KernelLaunch | None:
     """Validate the arguments of :func:`unified_attention` and return its launch
     (``None``: nothing to compute)."""
     q = _check_tensor("q", q, dim=3, dtypes=COMPUTE_DTYPES)
@@ -488,12 +544,16 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
 
     require_int("num_kv_splits", num_kv_splits, 1, maximum=MAX_KV_SPLITS, allow_none=True)
     group = num_heads // num_kv_heads
-    tiles = _tile_sizes(max_seqlen_q, group, head_size,
-                        big=device.type == "cuda" and q.dtype != torch.float32)
+    if tiles is None:
+        tiles = _tile_sizes(max_seqlen_q, group, head_size, _tile_table_key(device, q.dtype))
+    elif tiles.group_p != _next_pow2(group) or tiles.head_p < head_size:
+        raise ValueError(f"tiles {tiles} do not fit a group of {group} and head size "
+                         f"{head_size}")
     splits = num_kv_splits or _kv_splits_for(device, num_reqs * num_kv_heads, max_seqlen_q,
                                              max_seqlen_k, tiles.block_n)
-    # Request r's tiles start at program cu_seqlens_q[r] // block_q + r (see the kernel).
-    grid = (num_tokens // tiles.block_q + num_reqs, num_kv_heads, splits)
+    # Request r's tiles start at cu_seqlens_q[r] // block_q + r (see the kernel), each
+    # once per kv head.
+    grid = ((num_tokens // tiles.block_q + num_reqs) * num_kv_heads, 1, splits)
     # Pointers of disabled features are never read: any tensor will do.
     dummy = q
     merge = None
@@ -513,22 +573,31 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
     v_descale = dummy if v_descale is None else v_descale
     descale_strides = (*k_descale.stride()[-2:], *v_descale.stride()[-2:]) if quantized \
         else (0, 0, 0, 0)
+    # The kernel works in base 2 (exp2): log2(e) is folded into the score scale here.
+    # With a soft-cap the scale goes inside the tanh and log2(e) onto the cap.
+    if softcap > 0:
+        qk_scale, cap = float(softmax_scale) / softcap, softcap * LOG2E
+    else:
+        qk_scale, cap = float(softmax_scale) * LOG2E, 0.0
     return KernelLaunch(
         "unified_attention_kernel", grid,
         (q, k, v, out, cu_seqlens_q, seqused_k, block_table,
          alibi_slopes if alibi_slopes is not None else dummy,
          sinks if sinks is not None else dummy,
          k_descale, v_descale,
-         num_reqs, float(softmax_scale), softcap, window[0], window[1],
+         num_reqs, qk_scale, cap, window[0], window[1],
          *q.stride(), *out.stride(), *k.stride(), *v.stride(), *block_table.stride(),
          *descale_strides,
-         head_size, block_size, group,
+         head_size, num_kv_heads, group,
          part_acc, part_ml, num_tokens, num_heads, splits),
-        dict(BLOCK_Q=tiles.block_q, GROUP_P=tiles.group_p, HEAD_P=tiles.head_p,
-             BLOCK_N=tiles.block_n,
+        dict(BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, GROUP_P=tiles.group_p,
+             HEAD_P=tiles.head_p, BLOCK_N=tiles.block_n,
              CAUSAL=bool(causal), USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
              USE_SINKS=sinks is not None, USE_LEFT=window[0] >= 0, USE_RIGHT=window[1] >= 0,
-             DEQUANTIZE=quantized, FP32_DOT=q.dtype == torch.float32, SPLIT=splits > 1),
-        dict(num_warps=tiles.num_warps),
+             DEQUANTIZE=quantized, FP32_DOT=q.dtype == torch.float32, SPLIT=splits > 1,
+             PAD_HEAD=head_size != tiles.head_p,
+             # A positive scale can wait until after the row max (see the kernel).
+             FOLD_SCALE=softcap == 0 and alibi_slopes is None and softmax_scale > 0),
+        dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         merge,
     )

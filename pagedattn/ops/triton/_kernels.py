@@ -83,44 +83,68 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
+# Scores are kept in base 2 (exp2 is the hardware's instruction; exp is exp2 plus a
+# multiply per element). Everything that meets them is scaled by log2(e) too: the
+# softmax scale on the host, ALiBi slopes and sinks here, and the split-KV merge works
+# in the same units. The normalised output does not depend on the base.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
 def _attend_keys(
     acc, m_i, l_i, q, start_key, stop_key, key_first, key_hi, position, row_ok, slope,
-    table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
-    stride_k_b, stride_k_o, stride_k_h, stride_k_d,
-    stride_v_b, stride_v_o, stride_v_h, stride_v_d,
-    block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_LEFT: tl.constexpr,
-    USE_RIGHT: tl.constexpr, DEQUANTIZE: tl.constexpr, FP32_DOT: tl.constexpr,
+    table_row, stride_bt_c, k_head, v_head, dims, dim_ok,
+    stride_k_b, stride_k_o, stride_k_d, stride_v_b, stride_v_o, stride_v_d,
+    qk_scale, softcap, window_left, window_right, k_descale, v_descale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_LEFT: tl.constexpr, USE_RIGHT: tl.constexpr, DEQUANTIZE: tl.constexpr,
+    FP32_DOT: tl.constexpr, PAD_HEAD: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
-    """Online softmax over the key tiles ``[start_key, stop_key)``: the running
-    ``(acc, m_i, l_i)`` of the tile's rows, updated. ``MASKED`` tiles check each key
-    against the request's range and each row's causal/window limits; the others are
-    known to be wholly visible."""
+    """Online softmax (base 2) over the key tiles ``[start_key, stop_key)``: the
+    running ``(acc, m_i, l_i)`` of the tile's rows, updated. ``MASKED`` tiles check
+    each key against the request's range and each row's causal/window limits; the
+    others lie wholly inside ``[key_first, key_hi)`` and are visible to every row, so
+    their loads and scores carry no mask at all (what lets Triton pipeline the loads
+    cleanly)."""
     for start in range(start_key, stop_key, BLOCK_N):
         key_index = start + tl.arange(0, BLOCK_N)
         if MASKED:
             key_ok = (key_index >= key_first) & (key_index < key_hi)
+            block = tl.load(table_row + (key_index // BLOCK_SIZE) * stride_bt_c,
+                            mask=key_ok, other=0)
         else:
-            key_ok = key_index < stop_key
-        block = tl.load(table_row + (key_index // block_size) * stride_bt_c,
-                        mask=key_ok, other=0).to(tl.int64)
-        offset = (key_index % block_size).to(tl.int64)
-
+            block = tl.load(table_row + (key_index // BLOCK_SIZE) * stride_bt_c)
+        block = block.to(tl.int64)
+        offset = key_index % BLOCK_SIZE
         # [BLOCK_N, HEAD_P], contiguous along the head: the layout tl.dot wants for K^T.
-        k = tl.load(k_ptr + block[:, None] * stride_k_b + offset[:, None] * stride_k_o
-                    + kv_head * stride_k_h + dims[None, :] * stride_k_d,
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        # V is fetched next to K so that both are in flight before the first dot.
+        k_ptrs = (k_head + (block * stride_k_b + offset * stride_k_o)[:, None]
+                  + dims[None, :] * stride_k_d)
+        v_ptrs = (v_head + (block * stride_v_b + offset * stride_v_o)[:, None]
+                  + dims[None, :] * stride_v_d)
+        if MASKED:
+            k = tl.load(k_ptrs, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        elif PAD_HEAD:
+            k = tl.load(k_ptrs, mask=dim_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=dim_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         if DEQUANTIZE:
             k = (k.to(tl.float32) * k_descale).to(q.dtype)
+            v = (v.to(tl.float32) * v_descale).to(q.dtype)
+
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * scale
         if USE_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+            # Host passes qk_scale = scale / softcap and softcap * log2(e).
+            s = softcap * _tanh(s * qk_scale)
+        elif not FOLD_SCALE:
+            s = s * qk_scale
         if USE_ALIBI:
             s += slope[:, None] * (key_index[None, :] - position[:, None]).to(tl.float32)
         if MASKED:
@@ -133,23 +157,25 @@ def _attend_keys(
                 visible = visible & (key_index[None, :] <= position[:, None] + window_right)
             s = tl.where(visible, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if FOLD_SCALE:
+            # A positive scale commutes with the row max, so it is applied once per row
+            # there and fused into the subtraction below (one FMA per score).
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen nothing yet keeps max -inf; shift it by 0 instead (no NaN).
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_shift)
-        p = tl.exp(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v = tl.load(v_ptr + block[:, None] * stride_v_b + offset[:, None] * stride_v_o
-                    + kv_head * stride_v_h + dims[None, :] * stride_v_d,
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        if DEQUANTIZE:
-            v = (v.to(tl.float32) * v_descale).to(q.dtype)
-        if FP32_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
+        alpha = tl.exp2(m_i - m_shift)
+        if FOLD_SCALE:
+            p = tl.exp2(s * qk_scale - m_shift[:, None])
         else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+            p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if FP32_DOT:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -159,42 +185,48 @@ def unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     cu_seqlens_q_ptr, seqused_k_ptr, block_table_ptr,
     alibi_ptr, sinks_ptr, k_descale_ptr, v_descale_ptr,
-    num_reqs, scale, softcap, window_left, window_right,
+    num_reqs, qk_scale, softcap, window_left, window_right,
     stride_q_t, stride_q_h, stride_q_d,
     stride_o_t, stride_o_h, stride_o_d,
     stride_k_b, stride_k_o, stride_k_h, stride_k_d,
     stride_v_b, stride_v_o, stride_v_h, stride_v_d,
     stride_bt_r, stride_bt_c,
     stride_kds_r, stride_kds_h, stride_vds_r, stride_vds_h,
-    head_size, block_size, queries_per_kv,
+    head_size, num_kv_heads, queries_per_kv,
     part_acc_ptr, part_ml_ptr, num_tokens, num_heads, num_splits,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr, HEAD_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr, USE_LEFT: tl.constexpr, USE_RIGHT: tl.constexpr,
     DEQUANTIZE: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr,
+    PAD_HEAD: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     """One program = one tile of ``BLOCK_Q`` query tokens of one request times the
-    ``queries_per_kv`` query heads that share kv head ``program_id(1)``.
+    ``queries_per_kv`` query heads that share one kv head.
 
     Rows of the tile: row ``m`` is token ``m // GROUP_P`` of the tile and head
     ``m % GROUP_P`` of the group (``GROUP_P`` = group size rounded up to a power of
     two; the extra rows are masked). Tiles are numbered request by request: request
-    ``r`` owns programs ``cu_seqlens_q[r] // BLOCK_Q + r`` onwards, one per
-    ``BLOCK_Q`` of its tokens, so the grid size follows from the token count alone
-    (no host sync) and a binary search finds a program's request.
+    ``r`` owns tiles ``cu_seqlens_q[r] // BLOCK_Q + r`` onwards, one per ``BLOCK_Q``
+    of its tokens, so the grid size follows from the token count alone (no host
+    sync) and a binary search finds a tile's request. ``program_id(0)`` enumerates
+    (tile, kv head) pairs, kv head fastest, from the last tile down: under a causal
+    mask a request's last tiles see the most keys, and starting them first leaves the
+    short ones to fill the GPU at the end instead of a long tail.
 
     With ``SPLIT`` (split-KV, for batches too small to fill the GPU), ``program_id(2)``
     takes one of ``num_splits`` equal slices of the tile's key range and stores its
-    unnormalised partial state (``acc``, running max, denominator) for
+    unnormalised partial state (``acc``, running max in base 2, denominator) for
     :func:`merge_kv_splits_kernel`, which also adds the sinks.
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    flat = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = flat % num_kv_heads
+    pid = flat // num_kv_heads
     split = tl.program_id(2)
 
-    # Largest r with first_program(r) <= pid.
+    # Largest r with first_tile(r) <= pid.
     lo = 0
     hi = num_reqs - 1
     while lo < hi:
@@ -247,11 +279,11 @@ def unified_attention_kernel(
 
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
-        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
     if USE_SINKS and not SPLIT:
         # The sink is a logit that joins the softmax denominator only: start the
         # running max at it with a denominator of exp(sink - sink) = 1.
-        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -264,7 +296,9 @@ def unified_attention_kernel(
         v_descale = tl.load(v_descale_ptr + req * stride_vds_r + kv_head * stride_vds_h)
 
     # Interior tiles [full_lo, full_hi): every key visible to every row of the tile, so
-    # no mask is computed there; the edge tiles around them are masked.
+    # no mask is computed there; the edge tiles around them are masked. The interior
+    # never reaches past key_hi (need_hi <= key_hi, and a split's end is tile-aligned),
+    # which is what lets it load without a mask.
     need_lo = key_first
     if USE_LEFT:
         need_lo = tl.maximum(need_lo, last_position - window_left)
@@ -280,6 +314,8 @@ def unified_attention_kernel(
     full_hi = tl.maximum(full_hi, full_lo)
 
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt_r
+    k_head = k_ptr + kv_head * stride_k_h
+    v_head = v_ptr + kv_head * stride_v_h
     # Three passes, unrolled at compile time: masked edge, interior, masked edge.
     for phase in tl.static_range(3):
         if phase == 0:
@@ -293,12 +329,11 @@ def unified_attention_kernel(
             hi = key_hi
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, lo, hi, key_first, key_hi, position, row_ok, slope,
-            table_row, stride_bt_c, k_ptr, v_ptr, kv_head, dims, dim_ok,
-            stride_k_b, stride_k_o, stride_k_h, stride_k_d,
-            stride_v_b, stride_v_o, stride_v_h, stride_v_d,
-            block_size, scale, softcap, window_left, window_right, k_descale, v_descale,
-            BLOCK_N, phase != 1, CAUSAL, USE_ALIBI, USE_SOFTCAP, USE_LEFT, USE_RIGHT,
-            DEQUANTIZE, FP32_DOT)
+            table_row, stride_bt_c, k_head, v_head, dims, dim_ok,
+            stride_k_b, stride_k_o, stride_k_d, stride_v_b, stride_v_o, stride_v_d,
+            qk_scale, softcap, window_left, window_right, k_descale, v_descale,
+            BLOCK_SIZE, BLOCK_N, phase != 1, CAUSAL, USE_ALIBI, USE_SOFTCAP, USE_LEFT,
+            USE_RIGHT, DEQUANTIZE, FP32_DOT, PAD_HEAD, FOLD_SCALE)
 
     if SPLIT:
         part = ((token * num_heads + head) * num_splits + split)
@@ -322,7 +357,8 @@ def merge_kv_splits_kernel(
     SPLITS_P: tl.constexpr, HEAD_P: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     """One program per (token, query head): the softmax over all splits' keys (and the
-    sink) from the splits' partial states, normalised into ``out``. Tokens past
+    sink) from the splits' partial states (running maxima in base 2), normalised into
+    ``out``. Tokens past
     ``cu_seqlens_q[num_reqs]`` have no partial state and their rows stay untouched."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -336,13 +372,13 @@ def merge_kv_splits_kernel(
                 other=0.0)
     m_max = tl.max(m, 0)
     if USE_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
         m_max = tl.maximum(m_max, sink)
     m_shift = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = tl.exp(m - m_shift)  # a split that saw no key has m = -inf: weight 0
+    weight = tl.exp2(m - m_shift)  # a split that saw no key has m = -inf: weight 0
     denominator = tl.sum(weight * l, 0)
     if USE_SINKS:
-        denominator += tl.exp(sink - m_shift)
+        denominator += tl.exp2(sink - m_shift)
     dims = tl.arange(0, HEAD_P)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_P + dims[None, :],
                   mask=split_ok[:, None], other=0.0)
