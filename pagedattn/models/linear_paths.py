@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import enum
 import functools
-import json
-import math
+import itertools
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,12 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn import ops
-from pagedattn.machine import cache_dir, cpu_flags, cpu_model
+from pagedattn import ops, tuning
 from pagedattn.models.layers import fusable, replace_linear_layers
 
 FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
-CACHE_FORMAT = 2  # 2: shape keys name the activation and output dtypes
 
 
 class LinearPath(str, enum.Enum):
@@ -290,42 +287,13 @@ class MeasuredLinear(nn.Module):
 
 # ------------------------------------------------------------------ the cache
 
-
-def machine_key() -> dict:
-    """What the measured choices depend on; a cache with another key is re-measured."""
-    return {"format": CACHE_FORMAT, "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "isa": ops.get_cpu_isa().value if ops.native_available() else "none"}
+CACHE_KIND = "linear-paths"
+"""Their kind in the tuning home (:mod:`pagedattn.tuning`: machine key, file, busy gate)."""
+machine_key = tuning.machine_key
 
 
 def cache_path() -> Path:
-    return cache_dir() / "linear-paths.json"
-
-
-def load_cache(key: dict, path: Path | None = None) -> dict:
-    """The cached ``{shape_key: [bucket entry, ...]}`` for ``key``; empty when the file is
-    missing, unreadable, corrupt, or written under another key."""
-    path = path or cache_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("shapes"), dict):
-        return {}
-    return data["shapes"]
-
-
-def save_cache(key: dict, shapes: dict, path: Path | None = None) -> str | None:
-    """Write the cache atomically; the error text where it cannot be written."""
-    path = path or cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "shapes": shapes}, indent=1))
-        tmp.replace(path)
-    except OSError as exc:
-        return str(exc)
-    return None
+    return tuning.cache_path(CACHE_KIND)
 
 
 # ------------------------------------------------------------------ measurement
@@ -374,29 +342,20 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
                budget_s: float = 0.03) -> dict[str, float]:
     """Best time (us) of each path of ``layers`` (same shape and paths) on ``rows`` random
     rows: ``min_rounds`` rounds, then more (up to ``max_rounds``) while the rounds have
-    used under ``budget_s`` -- small calls get many tries, so one that no other process
-    interrupted is among them. Paths are timed in turns, one call each per round, so a
-    burst of load hits them alike; round ``i`` runs layer ``i % len(layers)``, so, as in
-    a forward pass, a call seldom finds its weights in the core's own cache."""
+    used under ``budget_s`` (:func:`tuning.best_of`, paths in turns). Each path's calls
+    cycle through ``layers``, so, as in a forward pass, a call seldom finds its weights in
+    the core's own cache."""
     # own generator: tuning must not move the global RNG that seeded sampling draws from
     x = torch.randn(rows, layers[0].in_features,
                     generator=torch.Generator().manual_seed(rows)).to(layers[0].act_dtype)
-    names = [p.value for p in layers[0].paths]
-    for path in layers[0].paths:
-        layers[0].runner(path)(x)  # warm-up: first touch, oneDNN's primitive creation
-    best = dict.fromkeys(names, math.inf)
-    start = time.perf_counter()
-    for i in range(max_rounds):
-        layer = layers[(i + 1) % len(layers)]
-        for path in layer.paths:
-            fn = layer.runner(path)
-            t0 = time.perf_counter()
-            fn(x)
-            best[path.value] = min(best[path.value], time.perf_counter() - t0)
-        now = time.perf_counter()
-        if now >= deadline or (i + 1 >= min_rounds and now - start >= budget_s):
-            break
-    return {name: t * 1e6 for name, t in best.items()}
+
+    def runs_through_layers(path: LinearPath) -> Callable[[], torch.Tensor]:
+        calls = itertools.count()
+        return lambda: layers[next(calls) % len(layers)].runner(path)(x)
+
+    return tuning.best_of({p.value: runs_through_layers(p) for p in layers[0].paths},
+                          deadline=deadline, min_rounds=min_rounds, max_rounds=max_rounds,
+                          budget_s=budget_s)
 
 
 def _measure_shape(layers: list[MeasuredLinear], deadline: float) -> list[BucketChoice]:
@@ -426,32 +385,21 @@ def _valid_cached(entry, paths: list[LinearPath]) -> list[BucketChoice] | None:
     return got
 
 
-def machine_busy() -> str | None:
-    """Why measurements now would misjudge the paths (other processes hold the cores), or
-    None. Choices measured then are used but not cached."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return None
-    cores = os.cpu_count() or 1
-    return f"load average {load:.1f} > {cores} cores" if load > cores else None
-
-
 def plan_layers(layers: list[MeasuredLinear], force: str | LinearPath | None = None,
                 budget_s: float = 10.0, cache: bool = True,
                 busy: str | None | bool = True) -> LinearPlan:
     """Choose each layer's path per bucket (forced, cached, or measured within ``budget_s``
     seconds in all) and apply the choices; returns what was chosen and why. ``busy``: the
-    reason fresh measurements are not cached, ``True`` to ask :func:`machine_busy`,
+    reason fresh measurements are not cached, ``True`` to ask :func:`tuning.machine_busy`,
     ``None``/``False``: cache them."""
     start = time.perf_counter()
-    busy = machine_busy() if busy is True else (busy or None)
+    busy = tuning.machine_busy() if busy is True else (busy or None)
     groups: dict[str, list[MeasuredLinear]] = {}
     for layer in layers:
         groups.setdefault(layer.shape_key, []).append(layer)
     forced = forced_path(force)
     key = machine_key()
-    cached = load_cache(key) if cache and forced is None else {}
+    cached = tuning.load(CACHE_KIND, key) if cache and forced is None else {}
     plan = LinearPlan({})
     deadline = start + budget_s
     for shape, members in groups.items():
@@ -472,7 +420,7 @@ def plan_layers(layers: list[MeasuredLinear], force: str | LinearPath | None = N
         keep = {s: [asdict(c) for c in cs] for s, cs in plan.shapes.items()
                 if all(c.source in ("measured", "cached") for c in cs)}
         plan.cache_error = (f"measured while busy ({busy})" if busy
-                            else save_cache(key, {**cached, **keep}))
+                            else tuning.save(CACHE_KIND, key, {**cached, **keep}))
     plan.cache_file = str(cache_path()) if cache and forced is None else None
     plan.seconds = time.perf_counter() - start
     return plan
@@ -489,7 +437,7 @@ def describe_here() -> list[str]:
             parts.append(path.value if not reasons else f"({path.value}: {'; '.join(reasons)})")
         lines.append(f"  {str(dtype).split('.')[-1]:<9} {', '.join(parts)}")
     key, path = machine_key(), cache_path()
-    shapes = load_cache(key)
+    shapes = tuning.load(CACHE_KIND, key)
     if shapes:
         lines.append(f"  cached choices ({path}):")
         for shape, entries in shapes.items():
