@@ -61,7 +61,28 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     print("linear paths per weight dtype (fp32 activations; chosen by measurement):")
     print("\n".join(describe_here()))
+    print("\n".join(describe_attention_choices()))
     return 0
+
+
+def describe_attention_choices() -> list[str]:
+    """The attention kernels' measured choices kept for this machine (pagedattn.tuning)."""
+    from pagedattn import ops, tuning
+    from pagedattn.backends.cpu_runtime import PREFILL_KERNEL_ENV
+
+    engine = ("runs (oneDNN brgemm" + (", AMX tiles" if ops.cpu_has_amx() else "") + ")"
+              if ops.matrix_engine_available() else "does not run here")
+    lines = [f"attention prefill kernel: vector or matrix ('amx': the matrix engine {engine}); "
+             f"measured per model geometry when a model loads, {PREFILL_KERNEL_ENV} forces one"]
+    path = tuning.cache_path("attention-prefill")
+    entries = tuning.load("attention-prefill", tuning.machine_key())
+    for key, entry in entries.items():
+        times = ", ".join(f"{n} {t:.0f} us" for n, t in sorted(
+            (entry.get("times_us") or {}).items(), key=lambda kv: kv[1]))
+        lines.append(f"  {key}: {entry.get('chosen')} [{times}]")
+    if not entries:
+        lines.append(f"  cached choices: none for this machine ({path})")
+    return lines
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

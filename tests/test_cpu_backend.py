@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedattn import ops
+from pagedattn import ops, tuning
+from pagedattn.backends import cpu_runtime
 from pagedattn.backend import AttentionType, CommonAttentionMetadata
 from pagedattn.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -285,14 +286,34 @@ def test_backend_class_contract():
 @pytest.mark.skipif(ops.on_arm(), reason="on Arm every block size runs the neon variant")
 @pytest.mark.parametrize("block_size, hint", [(16, IsaHint.VEC16), (32, IsaHint.VEC),
                                               (128, IsaHint.VEC)])
-def test_builder_picks_hint_and_decode_first_threshold(block_size, hint):
-    # fp32: the amx variant (bf16 only) is not a candidate, whatever this CPU has.
+def test_builder_picks_hint_and_decode_first_threshold(block_size, hint, monkeypatch):
+    # The vector variant of the cache when prefills are forced onto the vector kernels.
+    monkeypatch.setenv(cpu_runtime.PREFILL_KERNEL_ENV, "vector")
     batch = make_paged_batch(BATCH_SPECS["decode"], num_heads=H, num_kv_heads=HKV, head_size=D,
                              block_size=block_size, dtype=torch.float32)
     builder, metadata = build_metadata(batch, torch.float32, block_size)
     assert builder.reorder_batch_threshold == 1
     assert metadata.isa is hint  # the enum member, parsed once by the builder
     assert metadata.scheduler_metadata is not None
+
+
+@pytest.mark.skipif(not ops.matrix_engine_available(), reason="torch's brgemm does not run here")
+def test_builder_takes_the_measured_prefill_kernel(monkeypatch):
+    """The builder plans with prefill_variant's choice: forced here both ways, and measured
+    (and recorded in pagedattn.tuning, which `pagedattn info` prints) otherwise."""
+    batch = make_paged_batch(BATCH_SPECS["prefill"], num_heads=H, num_kv_heads=HKV, head_size=D,
+                             block_size=16, dtype=torch.float32)
+    for forced, hint in (("matrix", IsaHint.AMX), ("vector", IsaHint.VEC16)):
+        monkeypatch.setenv(cpu_runtime.PREFILL_KERNEL_ENV, forced)
+        assert build_metadata(batch, torch.float32, 16)[1].isa is hint
+    monkeypatch.delenv(cpu_runtime.PREFILL_KERNEL_ENV)
+    isa = build_metadata(batch, torch.float32, 16)[1].isa
+    choice = tuning.recorded("attention-prefill", f"float32 cache float32 heads {H}/{HKV} x {D} block 16")
+    assert choice is not None and choice.source in ("measured", "cached")
+    assert isa is {"matrix": IsaHint.AMX, "vector": IsaHint.VEC16}[choice.chosen]
+    monkeypatch.setenv(cpu_runtime.PREFILL_KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match="PAGEDATTN_PREFILL_KERNEL='fastest'"):
+        build_metadata(batch, torch.float32, 16)
 
 
 def test_metadata_is_frozen_and_sdpa_biases_live_with_the_step():

@@ -119,8 +119,7 @@ def test_env_var_naming_a_bad_isa_raises_on_use(value, pattern):
 
 @native
 def test_select_hint_follows_block_size():
-    if ops.cpu_has_amx():
-        pytest.skip("AMX CPU: bf16 picks amx")
+    # The vector variant of a cache; prefill_variant may pick 'amx' on top (measured).
     assert kernel_variant(16, torch.bfloat16) in ("vec16", "neon")
     assert kernel_variant(64, torch.float32) in ("vec", "neon")
     assert kernel_variant(48, torch.float32) in ("vec16", "neon")
@@ -131,19 +130,23 @@ def test_select_hint_follows_block_size():
 
 
 @native
-def test_amx_hint_without_amx_and_block_mismatch_are_errors():
+def test_amx_hint_needs_the_matrix_engine_and_block_mismatch_are_errors():
     seq_lens = torch.tensor([5], dtype=torch.int32)
     qsl = torch.tensor([0, 1], dtype=torch.int32)
     kwargs = dict(num_reqs=1, num_heads=4, num_kv_heads=2, head_dim=64, seq_lens=seq_lens,
                   dtype=torch.float32, query_start_loc=qsl, causal=True,
                   sliding_window_size=-1, enable_kv_split=True)
-    if not ops.cpu_has_amx():
+    if ops.matrix_engine_available():
+        # 'amx' selects the matrix-engine prefill kernel, for every block size.
+        batch = _batch(BatchSpec("one", (5,), (1,)), 4, 2, 64, 16, torch.float32)
+        _attend(batch, ops.cpu_attn_get_scheduler_metadata(isa="amx", **kwargs))
+    else:
         # A ValueError naming the hints this CPU accepts (also a NotImplementedError).
-        with pytest.raises(ValueError, match="'amx' needs a CPU with AMX tiles; valid on this CPU: 'vec', 'vec16'"):
+        with pytest.raises(ValueError, match="'amx' needs torch's brgemm microkernels .*valid on this CPU: 'vec', 'vec16'"):
             ops.cpu_attn_get_scheduler_metadata(isa="amx", **kwargs)
         with pytest.raises(NotImplementedError):
             ops.cpu_attn_get_scheduler_metadata(isa="amx", **kwargs)
-        with pytest.raises(NotImplementedError, match="AMX"):  # raw op, int code
+        with pytest.raises(NotImplementedError, match="brgemm"):  # raw op, int code
             torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(
                 1, 4, 2, 64, seq_lens, torch.float32, qsl, True, -1, IsaHint.AMX.code, True)
     if platform.machine() not in ("aarch64", "arm64"):

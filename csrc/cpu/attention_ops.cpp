@@ -28,10 +28,15 @@ namespace pagedattn {
 
 namespace {
 constexpr int64_t kMinSplitKeys = 256;   // below this a split costs more than it balances
-constexpr int64_t kRowsPerTile = 32;     // query rows (tokens x GQA heads) per prefill work item;
-                                         // 16 -> 32 rows: bf16 prefill +5% (K/V block reuse)
+// Query rows (tokens x GQA heads) per prefill work item: the vector kernels reuse each K/V
+// block for this many rows; the matrix kernel's GEMMs are this tall (docs/kernels.md).
+constexpr int64_t kRowsPerTile = 32;
+constexpr int64_t kMatrixRowsPerTile = 64;
 
-int64_t q_tile_tokens_for(int64_t group) { return std::max<int64_t>(1, kRowsPerTile / group); }
+int64_t q_tile_tokens_for(int64_t group, IsaHint hint) {
+  const int64_t rows = hint == IsaHint::kAmx ? kMatrixRowsPerTile : kRowsPerTile;
+  return std::max<int64_t>(1, rows / group);
+}
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Plan entries after the per-request fields. A job: kv heads [kv_head, kv_head + kv_heads)
@@ -117,7 +122,7 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
 
   const int64_t threads = at::get_num_threads();
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t tile = q_tile_tokens_for(group);
+  const int64_t tile = q_tile_tokens_for(group, hint);
 
   // Split the key range of single-tile (decode-like) requests only when there are too few
   // items to keep every thread busy. The window hint is not used, so results never depend
@@ -271,9 +276,9 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
   plan.hint = check_isa_hint(md[kMetaHint], "cpu_attention_with_kv_cache");
   const int64_t group = num_heads / num_kv_heads;
   plan.tile = md[kMetaQTileTokens];
-  TORCH_CHECK_VALUE(plan.tile == q_tile_tokens_for(group),
+  TORCH_CHECK_VALUE(plan.tile == q_tile_tokens_for(group, plan.hint),
                     "scheduler_metadata is corrupt: q_tile_tokens ", plan.tile, ", expected ",
-                    q_tile_tokens_for(group));
+                    q_tile_tokens_for(group, plan.hint));
   plan.num_jobs = md[kMetaNumJobs];
   plan.num_merges = md[kMetaNumMerges];
   plan.num_slots = md[kMetaNumSlots];
@@ -290,7 +295,7 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
                     "(planned for another step?) or is corrupt; rebuild it with ",
                     "cpu_attn_get_scheduler_metadata");
   // Bounds, so that no metadata at all can make the op read or write out of range.
-  const int64_t max_rows = q_tile_tokens_for(group) * group * num_kv_heads;
+  const int64_t max_rows = q_tile_tokens_for(group, plan.hint) * group * num_kv_heads;
   TORCH_CHECK_VALUE(plan.num_jobs >= 0 && plan.num_merges >= 0 && plan.num_slots >= 0 &&
                         plan.num_slots <= plan.num_jobs && plan.max_rows >= 1 &&
                         plan.max_rows <= max_rows && plan.slot_rows >= 0 &&
@@ -544,6 +549,7 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
                       slot < 0 ? nullptr : part_lse + slot * plan.slot_rows, j[kJobKvHeads]};
         kt->attn_item(p, item, mine);
       }
+      if (p.matrix != nullptr) matrix_engine_release();
     }
   });
   if (plan.num_merges == 0) return;
@@ -587,9 +593,10 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
       check_plan(meta_c, c.num_reqs, c.num_heads, c.num_kv_heads, c.head_size, qsl, sl);
   check_block_size(c.block_size, plan.hint, "kv cache");
 
-  const AttnParams p = make_params(c, query, key_cache, value_cache, output, block_table, qsl,
-                                   sl, scale, causal, alibi_f, sliding_window_left,
-                                   sliding_window_right, softcap, sink_f, k_scale, v_scale);
+  AttnParams p = make_params(c, query, key_cache, value_cache, output, block_table, qsl, sl,
+                             scale, causal, alibi_f, sliding_window_left, sliding_window_right,
+                             softcap, sink_f, k_scale, v_scale);
+  if (plan.hint == IsaHint::kAmx) p.matrix = matrix_engine();
   check_block_ids(p, c, block_table.size(1));
   if (c.num_tokens == 0 || plan.num_jobs == 0) return;
   execute_plan(p, plan, c.head_size);

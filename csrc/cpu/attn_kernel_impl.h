@@ -625,12 +625,20 @@ struct AttnKernel {
   }
 };
 
+#include "prefill_matrix_impl.h"
+
+template <class VO, class T, class C>
+void attn_item_run(const AttnParams& p, const WorkItem& it, float* scratch) {
+  if (runs_on_matrix(p, it)) MatrixPrefill<VO, T, C>::run(p, it, scratch);
+  else AttnKernel<VO, T, C>::run(p, it, scratch);
+}
+
 template <class VO, class T>
 void attn_item_cache(const AttnParams& p, const WorkItem& it, float* scratch) {
   switch (p.cache_dtype) {
-    case DType::kFp8E4m3: AttnKernel<VO, T, fp8_e4m3_t>::run(p, it, scratch); break;
-    case DType::kFp8E5m2: AttnKernel<VO, T, fp8_e5m2_t>::run(p, it, scratch); break;
-    default: AttnKernel<VO, T>::run(p, it, scratch); break;  // cache dtype == query dtype
+    case DType::kFp8E4m3: attn_item_run<VO, T, fp8_e4m3_t>(p, it, scratch); break;
+    case DType::kFp8E5m2: attn_item_run<VO, T, fp8_e5m2_t>(p, it, scratch); break;
+    default: attn_item_run<VO, T, T>(p, it, scratch); break;  // cache dtype == query dtype
   }
 }
 

@@ -20,6 +20,10 @@ CpuIsa current_cpu_isa();  // raises if PAGEDATTN_CPU_ISA named an unusable ISA
 const KernelTable* current_kernels();
 // Validates a hint code (range, availability on this CPU) and returns it.
 IsaHint check_isa_hint(int64_t code, const char* op);
+// The brgemm microkernels (matrix_engine.cpp), or nullptr where torch's brgemm does not
+// run; each thread that used them calls matrix_engine_release() at the end of its region.
+const MatrixEngine* matrix_engine();
+void matrix_engine_release();
 
 inline DType to_dtype(at::ScalarType t, const char* what) {
   switch (t) {

@@ -102,10 +102,13 @@ IsaHint check_isa_hint(int64_t code, const char* op) {
   TORCH_CHECK_VALUE(code >= 0 && code < kNumIsaHints, op, ": isa hint code ", code,
                     " is not valid; expected the code of one of ", kIsaHintNameList);
   const auto hint = static_cast<IsaHint>(code);
+  // 'amx' selects the matrix-engine prefill kernel: oneDNN's brgemm, which runs AMX tiles
+  // where the CPU has them and AVX-512/AVX2 code elsewhere.
   if (hint == IsaHint::kAmx)
-    TORCH_CHECK_NOT_IMPLEMENTED(cpu_has_amx(), op,
-                                ": isa hint 'amx' needs a CPU with AMX tiles; this CPU has none "
-                                "(use 'vec' or 'vec16')");
+    TORCH_CHECK_NOT_IMPLEMENTED(matrix_engine() != nullptr, op,
+                                ": isa hint 'amx' needs torch's brgemm microkernels (oneDNN), "
+                                "which this torch build or CPU does not run (use 'vec' or "
+                                "'vec16')");
   if (hint == IsaHint::kNeon) {
 #if !defined(__aarch64__)
     TORCH_CHECK_NOT_IMPLEMENTED(false, op, ": isa hint 'neon' is only available on Arm (aarch64) "

@@ -55,7 +55,7 @@ inline int64_t isa_hint_block_multiple(int64_t code) {
     case 0: return 32;
     case 1: return 16;
     case 2: return 16;
-    case 3: return 32;
+    case 3: return 16;
     default: return 0;
   }
 }

@@ -22,6 +22,8 @@ struct fp16_t { uint16_t bits; };
 struct fp8_e4m3_t { uint8_t bits; };
 struct fp8_e5m2_t { uint8_t bits; };
 
+struct MatrixEngine;
+
 // Everything a work item needs, already validated by the binding layer. Strides are in
 // elements; the last (head_size) dimension of every tensor is contiguous.
 struct AttnParams {
@@ -47,6 +49,8 @@ struct AttnParams {
   const float* sink;    // [num_heads] fp32 or nullptr (raw logits)
   int64_t window_left, window_right;  // -1: unbounded
   bool causal;
+  // Set: prefill items of at least kMatrixMinRows rows of one kv head run on it.
+  const MatrixEngine* matrix = nullptr;
 };
 
 // One unit of parallel work: query tokens [q_begin, q_end) (offsets inside the request)
@@ -150,6 +154,23 @@ struct NormParams {
   DType out_dtype = DType::kF32;  // kF32 or kBF16
 };
 
+// The matrix engine: oneDNN's brgemm microkernels (AMX tiles where the CPU has them, else
+// AVX-512 or AVX2 code), which the binding layer reaches through ATen
+// (matrix_engine.cpp) and hands to the kernels as function pointers, so kernel TUs stay
+// torch-free. C[M, N] (row stride ldc) = A[M, K] (lda) . B[K, N] (ldb), plus C when add;
+// fp32 throughout.
+struct MatrixEngine {
+  void (*gemm_f32)(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
+                   bool add, const float* A, const float* B, float* C);
+};
+
+// The matrix-engine prefill kernel (prefill_matrix_impl.h): keys per GEMM tile (a
+// multiple of every vector width), and the fewest rows an item needs to take it (decode
+// items and short tails stay on the vector kernels, which the GEMMs' fixed costs would
+// not beat).
+constexpr int kMatrixKeys = 32;
+constexpr int kMatrixMinRows = 16;
+
 struct KernelTable {
   const char* name;
   // Runs one item; scratch holds at least attn_scratch_floats(rows, head_size, block_size).
@@ -184,7 +205,10 @@ struct KernelTable {
 // Scratch each thread needs for items of up to `max_rows` rows (same formula in every ISA).
 inline size_t attn_scratch_floats(int64_t max_rows, int64_t head_size, int64_t block_size) {
   const int64_t pad = 64;  // vector-width padding of every row (covers 16-lane vectors)
-  return static_cast<size_t>(max_rows * (head_size + pad) * 2 +   // packed q + accumulators
+  const int64_t rows = max_rows + 16;  // rounded up to a vector
+  const int64_t matrix = 2 * rows * head_size + 2 * kMatrixKeys * head_size +
+                         rows * (2 * kMatrixKeys + 16) + 8 * rows + 64;
+  return static_cast<size_t>(matrix + max_rows * (head_size + pad) * 2 +   // packed q + accumulators
                              max_rows * (block_size + pad) +      // scores / probabilities
                              max_rows * 8 + 1024 +                // per-row softmax state
                              16 * head_size + 16 +                // one padded key group

@@ -197,9 +197,10 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
                 f"num_heads ({self.num_heads}) must be divisible by the cache's "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
-        self.isa = cpu_runtime.kernel_variant(self.block_size, self.dtype)
         self.plan_geometry = cpu_runtime.PlanGeometry(self.num_heads, self.num_kv_heads,
                                                       self.head_dim, self.dtype, self.window_size)
+        self.isa = cpu_runtime.prefill_variant(self.plan_geometry, self.block_size,
+                                               kv_cache_spec.dtype)
         if self.window_size != -1 or kv_cache_spec.dtype.itemsize == 1:
             self.sdpa_prefill_min_query_len = None  # the flash path has no window or fp8
 

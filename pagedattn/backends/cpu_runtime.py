@@ -4,7 +4,9 @@ CPU_ATTN (and through it the engine) and the vLLM plugin both call these functio
 other module calls ``torch.ops.pagedattn``'s attention ops. The runtime owns the choices
 every caller would otherwise re-derive:
 
-* the kernel variant for a cache (:func:`kernel_variant`);
+* the kernel variant for a cache (:func:`kernel_variant`), and for a layer geometry's
+  prefills the vector kernels or the matrix-engine kernel, measured
+  (:func:`prefill_variant`);
 * the window pair of a layer (:func:`window_pair`) and its fp8 cache dtype
   (:func:`fp8_cache_dtype`);
 * the per-step plan (:func:`plan_step`) and the cross-attention query split
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 
-from pagedattn import ops
+from pagedattn import ops, tuning
 from pagedattn.backend import AttentionType, is_quantized_kv_cache
 from pagedattn.checks import require_int
 from pagedattn.ops import kernel_shapes
@@ -36,15 +40,72 @@ native_available = ops.native_available
 
 
 def kernel_variant(block_size: int, dtype: torch.dtype) -> IsaHint:
-    """The kernel variant for a cache of ``block_size`` and ``dtype``: ``amx`` (bf16,
-    block % 32 == 0, CPU with AMX), ``neon`` on Arm, else ``vec`` (block % 32 == 0) or
-    ``vec16`` (the rest). ValueError for block sizes the kernels reject."""
+    """The vector-kernel variant for a cache of ``block_size`` and ``dtype``: ``neon`` on
+    Arm, else ``vec`` (block % 32 == 0) or ``vec16`` (the rest). Whether prefills take the
+    matrix-engine kernel instead is :func:`prefill_variant`'s measured choice. ValueError
+    for block sizes the kernels reject."""
     kernel_shapes.check_block_size(block_size)
     if ops.on_arm():
         return IsaHint.NEON
-    if dtype == torch.bfloat16 and block_size % 32 == 0 and ops.cpu_has_amx():
-        return IsaHint.AMX
     return IsaHint.VEC if block_size % 32 == 0 else IsaHint.VEC16
+
+
+PREFILL_KERNEL_ENV = "PAGEDATTN_PREFILL_KERNEL"
+"""``vector`` or ``matrix``: skip the measurement of :func:`prefill_variant`."""
+PREFILL_KERNELS = ("vector", "matrix")
+PREFILL_PROBE_TOKENS = 256
+"""The prompt length :func:`prefill_variant` times both kernels on."""
+
+
+def prefill_variant(geometry: "PlanGeometry", block_size: int,
+                    cache_dtype: torch.dtype | None = None) -> IsaHint:
+    """The variant whose prefill items run fastest here for a layer ``geometry`` and its
+    cache: :func:`kernel_variant`'s vector kernels, or ``amx``, the matrix-engine kernel
+    (oneDNN's brgemm: AMX tiles where the CPU has them, AVX-512 or AVX2 code elsewhere).
+    Measured once per geometry on a :data:`PREFILL_PROBE_TOKENS`-token prompt through
+    :mod:`pagedattn.tuning` (cached per machine; ``PAGEDATTN_PREFILL_KERNEL`` forces one).
+    Decode items run the vector kernels under either, so the choice only moves prefills;
+    each item's kernel depends on its own rows alone, never on its batch-mates."""
+    vector = kernel_variant(block_size, geometry.dtype)
+    if vector is IsaHint.NEON or not ops.matrix_engine_available():
+        return vector
+    cache_dtype = cache_dtype or geometry.dtype
+    key = (f"{str(geometry.dtype)[6:]} cache {str(cache_dtype)[6:]} heads "
+           f"{geometry.num_heads}/{geometry.num_kv_heads} x {geometry.head_dim} "
+           f"block {block_size}")
+    force = os.environ.get(PREFILL_KERNEL_ENV) or None
+    if force is not None and force not in PREFILL_KERNELS:
+        raise ValueError(f"{PREFILL_KERNEL_ENV}={force!r}: expected one of "
+                         f"{', '.join(PREFILL_KERNELS)}")
+    hints = {"vector": vector, "matrix": IsaHint.AMX}
+    choice = tuning.choose(
+        "attention-prefill", key,
+        lambda: _prefill_probes(geometry, block_size, cache_dtype, hints), force=force)
+    return hints.get(choice.chosen, vector)
+
+
+def _prefill_probes(geometry: "PlanGeometry", block_size: int, cache_dtype: torch.dtype,
+                    hints: dict[str, IsaHint]) -> dict:
+    """One causal prompt of PREFILL_PROBE_TOKENS tokens on random data, under each hint."""
+    tokens, gen = PREFILL_PROBE_TOKENS, torch.Generator().manual_seed(0)
+    blocks = -(-tokens // block_size)
+    heads, kv_heads, dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
+    query = torch.randn(tokens, heads, dim, generator=gen).to(geometry.dtype)
+    caches = [torch.randn(blocks, kv_heads, block_size, dim, generator=gen).to(cache_dtype)
+              for _ in range(2)]
+    qsl = torch.tensor([0, tokens], dtype=torch.int32)
+    lens = torch.tensor([tokens], dtype=torch.int32)
+    table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
+    out = torch.empty_like(query)
+
+    def runner(hint: IsaHint):
+        plan = plan_step(geometry, hint, qsl, lens, causal=True)
+        return lambda: attend(query, *caches, out, query_start_loc=qsl, seq_lens=lens,
+                              block_table=table, scheduler_metadata=plan,
+                              scale=dim ** -0.5, causal=True, window=(-1, -1),
+                              alibi_slopes=None, softcap=0.0, sinks=None)
+
+    return {name: runner(hint) for name, hint in hints.items()}
 
 
 def window_pair(sliding_window: int | None, attn_type: str) -> tuple[int, int]:

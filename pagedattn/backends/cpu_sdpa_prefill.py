@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedattn import tuning
 from pagedattn.ops.reference import visibility_mask
 
 
@@ -141,8 +142,8 @@ def measure_min_query_len(num_heads: int, num_kv_heads: int, head_size: int,
     does), and ``{length: (kernel_s, flash_s)}``."""
     from pagedattn.backends import cpu_runtime
 
-    variant = cpu_runtime.kernel_variant(block_size, dtype)
     geometry = cpu_runtime.PlanGeometry(num_heads, num_kv_heads, head_size, dtype, -1)
+    variant = cpu_runtime.prefill_variant(geometry, block_size)  # the faster kernel here
     gen = torch.Generator().manual_seed(0)
     deadline = time.perf_counter() + budget_s
     times: dict[int, tuple[float, float]] = {}
@@ -169,7 +170,8 @@ def measure_min_query_len(num_heads: int, num_kv_heads: int, head_size: int,
             v = gather_cached(vc, table[0].long(), n, dtype, 1.0)
             causal_attention(q.transpose(0, 1), k, v, 0, scale)
 
-        times[n] = (_best_of(kernel), _best_of(flash))
+        best = tuning.best_of({"kernel": kernel, "flash": flash}, min_rounds=3, max_rounds=3)
+        times[n] = (best["kernel"] / 1e6, best["flash"] / 1e6)
         if time.perf_counter() > deadline:
             break
     wins = [n for n, (k, f) in times.items() if f < k]
@@ -180,13 +182,3 @@ def measure_min_query_len(num_heads: int, num_kv_heads: int, head_size: int,
             start = n
             break
     return start, times
-
-
-def _best_of(fn, repeats: int = 3) -> float:
-    fn()  # warm-up: first-call allocations
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best

@@ -249,11 +249,16 @@ class PagedattnContender(Contender):
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
         ops = self._ops()
         s = inputs.scenario
-        from pagedattn.backends.cpu_runtime import kernel_variant
+        from pagedattn.backends.cpu_runtime import PlanGeometry, kernel_variant, prefill_variant
 
+        kc, vc = inputs.key_cache, inputs.value_cache
         isa = kernel_variant(s.block_size, s.torch_dtype)
         note = "" if ops.native_available() else "native extension not loaded: reference fallback"
-        kc, vc = inputs.key_cache, inputs.value_cache
+        if s.kind != "reshape_and_cache" and ops.native_available():
+            # The engine's measured choice for this geometry (vector or matrix prefills).
+            geometry = PlanGeometry(s.num_heads, s.num_kv_heads, s.head_size, s.torch_dtype, -1)
+            isa = prefill_variant(geometry, s.block_size, kc.dtype)
+            note = f"variant {isa.value}"
         if s.kind == "reshape_and_cache":
             def run(copy: int) -> None:
                 ops.cpu_attn_reshape_and_cache(inputs.new_keys[copy], inputs.new_values[copy],

@@ -129,6 +129,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         plan = llm.linear_plan
         lines = plan.lines() if plan is not None else [f"linear paths: {llm.linear_impl} (forced)"]
         print("\n".join(lines))
+        from pagedattn import tuning
+
+        print("\n".join(["kernel choices:"] + [f"  {c.line()}" for c in tuning.choices_made()
+                                                if c.kind != "linear-paths"]))
     progress = len(prompts) > 1
     missing = llm.chat_template_missing() if args.chat else None
     if missing:

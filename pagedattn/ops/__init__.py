@@ -45,7 +45,7 @@ from pagedattn.ops.isa import (
 
 __all__ = [
     "CpuIsa", "IsaHint", "native_available", "supported_cpu_isas", "best_cpu_isa",
-    "get_cpu_isa", "set_cpu_isa", "use_cpu_isa", "cpu_has_amx", "on_arm",
+    "get_cpu_isa", "set_cpu_isa", "use_cpu_isa", "cpu_has_amx", "matrix_engine_available", "on_arm",
     "usable_isa_hints", "UnsupportedIsaHintError",
     "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
     "cpu_attention_with_kv_cache", "metadata_numel",
@@ -126,8 +126,15 @@ def use_cpu_isa(isa: str | CpuIsa) -> Iterator[CpuIsa]:
 
 @functools.cache
 def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (the ``amx`` hint needs them)."""
+    """Whether this CPU has AMX tiles (the matrix engine then runs on them)."""
     return native_available() and bool(torch.ops.pagedattn.cpu_has_amx())
+
+
+@functools.cache
+def matrix_engine_available() -> bool:
+    """Whether torch's brgemm microkernels (oneDNN) run here: the ``amx`` hint's prefill
+    kernel needs them. They use AMX tiles where the CPU has them, else AVX-512 or AVX2."""
+    return native_available() and bool(torch.ops.pagedattn.matrix_engine_available())
 
 
 def _require_native(what: str) -> None:
@@ -142,7 +149,8 @@ def on_arm() -> bool:
 
 
 class UnsupportedIsaHintError(ValueError, NotImplementedError):
-    """A known hint this CPU cannot run (``amx`` without AMX tiles, ``neon`` off Arm).
+    """A known hint this CPU cannot run (``amx`` without torch's brgemm microkernels,
+    ``neon`` off Arm).
 
     A ``ValueError`` like any other bad hint, and a ``NotImplementedError`` for callers
     that treat missing hardware that way."""
@@ -153,7 +161,7 @@ def _usable_hints() -> tuple[IsaHint, ...]:
     if on_arm():
         return (IsaHint.NEON, IsaHint.VEC, IsaHint.VEC16)
     hints = (IsaHint.VEC, IsaHint.VEC16)
-    return hints + (IsaHint.AMX,) if cpu_has_amx() else hints
+    return hints + (IsaHint.AMX,) if matrix_engine_available() else hints
 
 
 def usable_isa_hints() -> list[str]:
@@ -167,7 +175,8 @@ def _parse_hint(isa: str | IsaHint) -> IsaHint:
     membership test, not a string parse."""
     hint = IsaHint.parse(isa)
     if hint not in _usable_hints():
-        need = "a CPU with AMX tiles" if hint is IsaHint.AMX else "an Arm (aarch64) CPU"
+        need = ("torch's brgemm microkernels (oneDNN), which do not run here"
+                if hint is IsaHint.AMX else "an Arm (aarch64) CPU")
         valid = ", ".join(repr(h) for h in usable_isa_hints())
         raise UnsupportedIsaHintError(
             f"isa hint {hint.value!r} needs {need}; valid on this CPU: {valid}"

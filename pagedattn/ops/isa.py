@@ -28,7 +28,7 @@ X86_PREFERENCE: tuple[str, ...] = ("avx512bf16", "avx512", "avx2", "scalar")
 ARM_PREFERENCE: tuple[str, ...] = ("neon", "scalar")
 
 # hint name -> block-size multiple the variant needs.
-ISA_HINTS: tuple[tuple[str, int], ...] = (("vec", 32), ("vec16", 16), ("neon", 16), ("amx", 32))
+ISA_HINTS: tuple[tuple[str, int], ...] = (("vec", 32), ("vec16", 16), ("neon", 16), ("amx", 16))
 
 # Layout of the opaque scheduler-metadata tensor (int32): a fixed header, then
 # METADATA_FIELDS_PER_REQ ints per request, then the work partition the planner computed

@@ -288,10 +288,14 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             raise NotImplementedError(
                 f"{self._vllm_refusal}; pagedattn cannot serve this KV-cache group either: "
                 f"{'; '.join(reasons)}") from self._vllm_refusal
-        self.pagedattn_isa = (
-            cpu_runtime.kernel_variant(self.block_size, self.dtype) if self.served_by_pagedattn
-            else None
-        )
+        self.pagedattn_isa = None
+        if self.served_by_pagedattn:
+            # The measured prefill kernel (vector or matrix engine) for this geometry.
+            geometry = cpu_runtime.PlanGeometry(self.num_heads, self.num_kv_heads,
+                                                self.head_dim, self.dtype, self.window_size)
+            self.pagedattn_isa = cpu_runtime.prefill_variant(
+                geometry, self.block_size,
+                cpu_runtime.fp8_cache_dtype(self.kv_cache_dtype) or self.dtype)
         for impl in impls.values():
             if isinstance(impl, PagedAttnCPUImpl):
                 impl.bind(self.served_by_pagedattn, self.pagedattn_isa)

@@ -1,0 +1,133 @@
+"""The matrix-engine prefill kernel (hint ``amx``: oneDNN's brgemm through ATen) against the
+reference, over the feature grid, under every ISA this CPU executes.
+
+Prefill items of at least 16 rows on one kv head take the matrix kernel; decodes in the
+same batches stay on the vector kernels, so mixed batches check that both paths write
+their own rows. The batches are those of ``test_cpu_ops`` (unused cache slots NaN, random
+block tables), so a read outside a request's keys poisons the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedattn import ops
+from pagedattn.ops.isa import IsaHint
+from pagedattn.testing import BatchSpec
+
+from test_cpu_ops import (CACHES, DTYPES, FEATURES, LONG_SPECS, assert_matches_reference,
+                          case_inputs, feature_args, run_native, run_reference, with_fp8_cache)
+
+pytestmark = pytest.mark.skipif(
+    not ops.matrix_engine_available(),
+    reason="torch's brgemm microkernels (oneDNN) do not run here, so the 'amx' hint is refused")
+
+MATRIX = IsaHint.AMX
+# Batches with prefill items of >= 16 rows (8 query heads over 2 kv heads: 4 rows a token).
+PREFILL_BATCHES = ["prefill", "chunked_prefill", "mixed"]
+
+
+@pytest.mark.parametrize("cache_name", CACHES)
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("batch_name", PREFILL_BATCHES)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_features_over_batches(isa, feature, batch_name, dtype_name, cache_name):
+    batch, scales = with_fp8_cache(case_inputs(batch_name, dtype_name, 64, 16, 8, 2), cache_name)
+    args = feature_args(feature, 8, 64)
+    got = run_native(batch, args, block_size=16, hint=MATRIX, **scales)
+    assert_matches_reference(got, run_reference(batch, args, **scales), DTYPES[dtype_name])
+
+
+# A 40-token chunk after 30 cached tokens and a 24-token prompt: several key tiles, a
+# ragged last tile, and tiles that start inside a block.
+SIZES_BATCH = BatchSpec("matrix_sizes", (70, 24), (40, 24))
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+@pytest.mark.parametrize("head_size,block_size",
+                         [(32, 1), (40, 8), (64, 16), (72, 48), (128, 32), (256, 64),
+                          (512, 16), (128, 512)], ids=lambda v: str(v))
+def test_head_and_block_sizes(isa, head_size, block_size, dtype_name):
+    batch = case_inputs(SIZES_BATCH, dtype_name, head_size, block_size, 8, 2)
+    args = feature_args("window", 8, head_size)
+    got = run_native(batch, args, block_size=block_size, hint=MATRIX)
+    assert_matches_reference(got, run_reference(batch, args), DTYPES[dtype_name])
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 1), (8, 2), (6, 6), (12, 4), (16, 16), (64, 1)],
+                         ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_gqa_mqa_mha(isa, heads, dtype_name):
+    batch = case_inputs("prefill", dtype_name, 128, 32, *heads)
+    args = feature_args("sinks", heads[0], 128)
+    got = run_native(batch, args, block_size=32, hint=MATRIX)
+    assert_matches_reference(got, run_reference(batch, args), DTYPES[dtype_name])
+
+
+@pytest.mark.parametrize("feature", ["causal", "window", "everything"])
+@pytest.mark.parametrize("spec", LONG_SPECS, ids=lambda s: s.name)
+def test_long_contexts_and_split_kv(isa, spec, feature):
+    """Spec decodes of 3 tokens x 8 heads (24 rows) are split along the keys and merged."""
+    batch = case_inputs(spec, "fp32", 128, 32, 8, 1)
+    args = feature_args(feature, 8, 128)
+    split = run_native(batch, args, block_size=32, hint=MATRIX, enable_kv_split=True)
+    assert_matches_reference(split, run_reference(batch, args), torch.float32)
+    whole = run_native(batch, args, block_size=32, hint=MATRIX, enable_kv_split=False)
+    torch.testing.assert_close(split, whole, atol=2e-6, rtol=2e-6)
+
+
+def test_encoder_and_cross_attention_shapes(isa):
+    """Non-causal items whose query is not at the end of the keys (cross attention: 50
+    decoder tokens over 20 encoder keys is split by the runtime; here 18 over 70)."""
+    batch = case_inputs(BatchSpec("cross", (70, 33), (18, 33)), "fp32", 64, 16, 8, 2)
+    args = feature_args("noncausal", 8, 64)
+    got = run_native(batch, args, block_size=16, hint=MATRIX)
+    assert_matches_reference(got, run_reference(batch, args), torch.float32)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_key_a_row_cannot_see_adds_nothing(isa, bad):
+    """A non-finite value at a key only later rows of a tile see must not reach the rows
+    before it (0 * inf is NaN in a GEMM): the kernel sums such tiles row by row."""
+    batch = case_inputs("prefill", "fp32", 64, 16, 8, 2)
+    args = feature_args("causal", 8, 64)
+    value_cache = batch.value_cache.clone()
+    # Request 0's key 5: seen by its queries 5.., hidden from 0..4 (same 8-token tile).
+    block, offset = int(batch.block_table[0, 5 // 16]), 5 % 16
+    value_cache[block, :, offset, :] = bad
+    poisoned = type(batch)(**{**batch.__dict__, "value_cache": value_cache})
+    got = run_native(poisoned, args, block_size=16, hint=MATRIX)
+    want = run_reference(poisoned, args)
+    torch.testing.assert_close(got[:5], want[:5], atol=2e-5, rtol=2e-5)
+    assert torch.isfinite(got[:5]).all()
+
+
+def test_the_hint_selects_another_kernel(isa):
+    """fp32 sums in another order on the GEMMs: 'amx' and 'vec' agree to rounding but not
+    bit for bit, so the hint reached the kernel (and decode rows, which stay on the vector
+    kernels, are identical)."""
+    batch = case_inputs("mixed", "fp32", 64, 16, 8, 2)
+    args = feature_args("causal", 8, 64)
+    matrix = run_native(batch, args, block_size=16, hint=MATRIX)
+    vector = run_native(batch, args, block_size=16, hint=IsaHint.VEC16)
+    torch.testing.assert_close(matrix, vector, atol=2e-5, rtol=2e-5)
+    decode_rows = slice(0, 2)  # the batch's first two requests decode one token each
+    assert torch.equal(matrix[decode_rows], vector[decode_rows])
+    assert not torch.equal(matrix, vector)
+
+
+def test_repeat_call_and_thread_count_are_bit_identical(isa):
+    batch = case_inputs("chunked_prefill", "bf16", 128, 16, 8, 2)
+    args = feature_args("everything", 8, 128)
+    first = run_native(batch, args, block_size=16, hint=MATRIX)
+    assert torch.equal(first, run_native(batch, args, block_size=16, hint=MATRIX))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = run_native(batch, args, block_size=16, hint=MATRIX)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(first, one_thread)
