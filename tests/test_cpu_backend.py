@@ -183,8 +183,9 @@ def test_encoder_attention_is_bidirectional_and_cache_free(attn_type, feature):
     impl.forward(None, batch.query, batch.new_keys, batch.new_values, poisoned_cache, metadata, output=output)
     want = reference_for(impl, batch, causal=False)
     torch.testing.assert_close(output, want, **FP32_TOL)
-    if feature == "window":
-        assert impl.sliding_window == (23, 23)  # both encoder kinds look both ways
+    if feature == "window":  # the seed's pairs: only encoder-only layers look both ways
+        assert impl.sliding_window == ((23, 23) if attn_type == AttentionType.ENCODER_ONLY
+                                       else (23, 0))
 
 
 def test_cross_attention_writes_encoder_kv_once_then_reads_the_cache():
@@ -341,3 +342,17 @@ def test_metadata_is_frozen_and_sdpa_biases_live_with_the_step():
     # next step's plan starts with none.
     assert sorted(key[1] for key in metadata.sdpa_biases) == [23, 40]
     assert plan().sdpa_biases == {}
+
+
+@pytest.mark.parametrize("attn_type, window, expected", [
+    (AttentionType.DECODER, 24, (23, 0)),
+    (AttentionType.ENCODER, 24, (23, 0)),
+    (AttentionType.ENCODER_DECODER, 24, (23, 0)),
+    (AttentionType.ENCODER_ONLY, 24, (23, 23)),
+    (AttentionType.DECODER, None, (-1, -1)),
+    (AttentionType.ENCODER_ONLY, None, (-1, -1)),
+])
+def test_impl_window_pair_is_the_interface_contract(attn_type, window, expected):
+    """The impl's public ``sliding_window`` is the seed's pair for every attention type:
+    only encoder-only layers see the window on both sides."""
+    assert make_impl(attn_type=attn_type, sliding_window=window).sliding_window == expected

@@ -33,7 +33,6 @@ from pagedattn.ops import kernel_shapes
 from pagedattn.ops.isa import IsaHint
 from pagedattn.ops.reference import FP8_CACHE_DTYPES
 
-_BIDIRECTIONAL = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 native_available = ops.native_available
 """Whether the native kernels are loaded (else every call runs the reference)."""
@@ -110,14 +109,15 @@ def _prefill_probes(geometry: "PlanGeometry", block_size: int, cache_dtype: torc
 
 def window_pair(sliding_window: int | None, attn_type: str) -> tuple[int, int]:
     """A layer's window (``sliding_window`` keys including its own, ``None`` or ``-1`` =
-    none) as the kernels' ``(left, right)``: decoders and cross attention look back
-    ``window - 1`` keys (causality, or its absence, decides the right side);
-    bidirectional encoder layers see ``window - 1`` keys on each side."""
+    none) as the kernels' ``(left, right)``, as vLLM's CPU impl sets it: encoder-only
+    layers see ``window - 1`` keys on each side; every other type (decoder, cross and
+    ``ENCODER`` layers alike) looks back ``window - 1`` keys and none ahead."""
     if sliding_window is None or sliding_window == -1:
         return (-1, -1)
     require_int("sliding_window", sliding_window, 1, expected="a positive int, -1 or None")
     left = sliding_window - 1
-    return (left, left) if AttentionType.parse(attn_type) in _BIDIRECTIONAL else (left, 0)
+    return (left, left) if AttentionType.parse(attn_type) == AttentionType.ENCODER_ONLY \
+        else (left, 0)
 
 
 def fp8_cache_dtype(kv_cache_dtype: str) -> torch.dtype | None:
