@@ -216,10 +216,9 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
 
 namespace {
 // The op's scratch (per-worker item state, split partials), kept per calling thread and
-// reused across calls. Allocated per call, it came back as fresh pages whenever other code
-// had allocated in between -- an engine's other layers, or vLLM in the side-by-side bench --
-// and each call paid 20-60 page faults: a B1 ctx2048 decode ran 400-650 us instead of
-// ~350. Grows to the largest call seen on the thread; the contents are undefined.
+// reused across calls: scratch allocated per call comes back as fresh pages whenever other
+// code allocated in between, and small decodes then pay page faults (docs/performance.md,
+// "Workspace"). Grows to the largest call seen on the thread; the contents are undefined.
 class Workspace {
  public:
   float* floats(size_t n) {

@@ -416,12 +416,11 @@ struct AttnKernel {
       };
       // Pages are touched (one line each) further ahead than lines are prefetched: a
       // page's first access pays a page walk, as the pool is far larger than the TLB's
-      // reach, and a prefetch waiting on a walk holds a miss slot. With the walk off the
-      // critical path, DRAM decode ran +20-30% on 1 thread and +5-12% on 2, as fast as on
-      // 2 MiB pages, where this gains nothing.
+      // reach, and a prefetch waiting on a walk holds a miss slot (docs/performance.md,
+      // "Decode prefetching").
       const int64_t page_ahead = std::max<int64_t>(dist + 1, (64 * 1024) / (k_bytes + v_bytes));
       // The item's first steps: step 0 too, whose loads would otherwise all miss on demand
-      // (an item start cost ~4.5 us before, ~3.3 after; split decodes start 4-8 per thread).
+      // (split decodes start several items per thread).
       for (int64_t st = 0; st < std::min(nsteps, page_ahead); ++st) {
         PrefetchCursor warm = cursor(st);
         if (st < dist) warm.issue(warm.lines());

@@ -285,8 +285,6 @@ class XFormersAttentionMetadataBuilder(AttentionMetadataBuilder[XFormersAttentio
             raise ValueError(f"XFORMERS_VLLM_V1 needs a block size that is a multiple of 16, "
                              f"got {self.block_size}")
         self._init_reorder_batch_threshold(1)
-        self._num_decodes = 0
-        self._num_decode_tokens = 0
 
     def reorder_batch(self, input_batch: Any, scheduler_output: Any) -> bool:
         """Move the decodes (one scheduled token) in front of the prefills, in place;
@@ -315,7 +313,6 @@ class XFormersAttentionMetadataBuilder(AttentionMetadataBuilder[XFormersAttentio
                 block_tables=block_table[:num_decodes],
                 device=block_table.device,
             )
-        self._num_decodes, self._num_decode_tokens = num_decodes, num_decode_tokens
         return XFormersAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_prefill_tokens=num_prefill_tokens,

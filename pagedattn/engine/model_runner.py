@@ -47,7 +47,6 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, cdiv(max_model_len, self.block_size))
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
-        self.forward_fn = model.forward
 
     def _generator(self, req: Request) -> torch.Generator | None:
         sp = req.sampling_params
@@ -105,7 +104,7 @@ class ModelRunner:
                 rows.append(qsl[i + 1] - 1)
                 sampled_reqs.append(r)
         # Only the sampled rows leave the last layer's attention (a partial prefill's none).
-        hidden = self.forward_fn(input_ids, positions, self.kv_caches, attn_metadata,
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, attn_metadata,
                                  torch.tensor(rows, dtype=torch.long))
         if not rows:
             return {}, {}

@@ -89,10 +89,8 @@ _DIRECT_ROWS = ROW_BUCKETS[-1].lo  # row counts below this index a list; the res
 
 
 def _bucket_index(rows: int) -> int:
-    for i, b in enumerate(ROW_BUCKETS):
-        if b.hi is None or rows <= b.hi:
-            return i
-    raise AssertionError("the last bucket is unbounded")
+    """The bucket of ``rows`` (the last one is unbounded: every count has one)."""
+    return next(i for i, b in enumerate(ROW_BUCKETS) if b.hi is None or rows <= b.hi)
 
 
 # ------------------------------------------------------------------ availability
@@ -215,7 +213,9 @@ class MeasuredLinear(nn.Module):
 
     def set_choices(self, choices: list[LinearPath]) -> None:
         """One path per :data:`ROW_BUCKETS` entry; weights no chosen path reads are freed."""
-        assert len(choices) == len(ROW_BUCKETS) and set(choices) <= set(self.paths)
+        if len(choices) != len(ROW_BUCKETS) or not set(choices) <= set(self.paths):
+            raise ValueError(f"expected one of {[p.value for p in self.paths]} for each of "
+                             f"{len(ROW_BUCKETS)} row buckets, got {[c.value for c in choices]}")
         self.choices = list(choices)
         by_bucket = [self.runner(p) for p in choices]
         # forward indexes this by row count: one list lookup per call, no search

@@ -540,7 +540,9 @@ def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tenso
     """The ``[out_features, in_features]`` weight inside a packed one: packed
     ``[p, k, 16]`` holds column ``16 * p + c`` of the layer at ``packed[p, :, c]``."""
     panels, k, width = packed.shape
-    assert width == LINEAR_PANEL and panels * width >= out_features
+    if width != LINEAR_PANEL or panels * width < out_features:
+        raise ValueError(f"packed weight {tuple(packed.shape)} does not hold {out_features} "
+                         f"output columns in panels of {LINEAR_PANEL}")
     return packed.permute(0, 2, 1).reshape(panels * width, k)[:out_features]
 
 
