@@ -26,6 +26,7 @@ import torch
 from pagedattn import ops
 from pagedattn.ops import reference as ref
 from pagedattn.backends.cpu_runtime import kernel_variant
+from pagedattn.ops.isa import IsaHint
 from pagedattn.testing import TOLERANCES, BatchSpec, PagedBatch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -94,6 +95,8 @@ def build(case: dict):
         value_cache = ref.quantize_fp8(value_cache, v_scale, fp8)
     window = tuple(case["window"])
     hint = kernel_variant(case["block_size"], dtype)
+    if case["seed"] % 2 and ops.matrix_engine_available():
+        hint = IsaHint.AMX  # every other case on the matrix-engine prefill kernel
     meta_args = dict(
         num_reqs=len(case["seq_lens"]), num_heads=h, num_kv_heads=case["num_kv_heads"],
         head_dim=case["head_size"], seq_lens=batch.seq_lens, dtype=dtype,
