@@ -9,6 +9,7 @@ block tables), so a read outside a request's keys poisons the output.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -39,6 +40,59 @@ def test_features_over_batches(isa, feature, batch_name, dtype_name, cache_name)
     args = feature_args(feature, 8, 64)
     got = run_native(batch, args, block_size=16, hint=MATRIX, **scales)
     assert_matches_reference(got, run_reference(batch, args, **scales), DTYPES[dtype_name])
+
+
+@contextlib.contextmanager
+def bf16_microkernel(kind: str):
+    """bf16 items on oneDNN's bf16 VNNI microkernel ("onednn", AMX / AVX512-BF16 only) or
+    on the plain reference loops behind the same interface ("reference": the packing,
+    probability rounding and tiling of the bf16 path on any CPU)."""
+    if kind == "onednn" and not torch.ops.pagedattn.matrix_engine_bf16():
+        pytest.skip("oneDNN has no bf16 microkernel on this CPU (it needs AVX512-BF16 or "
+                    "AMX): bf16 items run the fp32 one")
+    torch.ops.pagedattn.matrix_engine_use_bf16_reference(kind == "reference")
+    try:
+        yield
+    finally:
+        torch.ops.pagedattn.matrix_engine_use_bf16_reference(False)
+
+
+@pytest.mark.parametrize("kind", ["reference", "onednn"])
+@pytest.mark.parametrize("cache_name", CACHES)
+@pytest.mark.parametrize("batch_name", PREFILL_BATCHES)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_bf16_microkernel_over_the_grid(isa, kind, feature, batch_name, cache_name):
+    batch, scales = with_fp8_cache(case_inputs(batch_name, "bf16", 64, 16, 8, 2), cache_name)
+    args = feature_args(feature, 8, 64)
+    with bf16_microkernel(kind):
+        got = run_native(batch, args, block_size=16, hint=MATRIX, **scales)
+    assert_matches_reference(got, run_reference(batch, args, **scales), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["reference", "onednn"])
+@pytest.mark.parametrize("head_size,block_size", [(32, 1), (64, 16), (72, 48), (128, 32)],
+                         ids=lambda v: str(v))
+def test_bf16_microkernel_sizes(isa, kind, head_size, block_size):
+    batch = case_inputs(BatchSpec("matrix_sizes", (70, 24), (40, 24)), "bf16", head_size,
+                        block_size, 8, 2)
+    args = feature_args("window", 8, head_size)
+    with bf16_microkernel(kind):
+        got = run_native(batch, args, block_size=block_size, hint=MATRIX)
+    assert_matches_reference(got, run_reference(batch, args), torch.bfloat16)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_bf16_microkernel_a_key_a_row_cannot_see_adds_nothing(isa, bad):
+    batch = case_inputs("prefill", "bf16", 64, 16, 8, 2)
+    args = feature_args("causal", 8, 64)
+    value_cache = batch.value_cache.clone()
+    block, offset = int(batch.block_table[0, 5 // 16]), 5 % 16
+    value_cache[block, :, offset, :] = bad
+    poisoned = type(batch)(**{**batch.__dict__, "value_cache": value_cache})
+    with bf16_microkernel("reference"):
+        got = run_native(poisoned, args, block_size=16, hint=MATRIX)
+    assert torch.isfinite(got[:5]).all()
+    assert_matches_reference(got[:5], run_reference(poisoned, args)[:5], torch.bfloat16)
 
 
 # A 40-token chunk after 30 cached tokens and a 24-token prompt: several key tiles, a

@@ -162,6 +162,11 @@ struct NormParams {
 struct MatrixEngine {
   void (*gemm_f32)(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
                    bool add, const float* A, const float* B, float* C);
+  // bf16 A; B in the VNNI layout: B[k][n] at B[(k / 2) * 2 * ldb + 2 * n + k % 2] (K even).
+  // nullptr where no bf16 microkernel runs (oneDNN needs AVX512-BF16 or AMX for it).
+  void (*gemm_bf16_vnni)(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                         int64_t ldc, bool add, const bf16_t* A, const bf16_t* B,
+                         float* C) = nullptr;
 };
 
 // The matrix-engine prefill kernel (prefill_matrix_impl.h): keys per GEMM tile (a
@@ -207,7 +212,7 @@ inline size_t attn_scratch_floats(int64_t max_rows, int64_t head_size, int64_t b
   const int64_t pad = 64;  // vector-width padding of every row (covers 16-lane vectors)
   const int64_t rows = max_rows + 16;  // rounded up to a vector
   const int64_t matrix = 2 * rows * head_size + 2 * kMatrixKeys * head_size +
-                         rows * (2 * kMatrixKeys + 16) + 8 * rows + 64;
+                         rows * (3 * kMatrixKeys + 16) + 8 * rows + head_size + 64;
   return static_cast<size_t>(matrix + max_rows * (head_size + pad) * 2 +   // packed q + accumulators
                              max_rows * (block_size + pad) +      // scores / probabilities
                              max_rows * 8 + 1024 +                // per-row softmax state

@@ -62,7 +62,18 @@ struct MatrixPrefill {
     return out;
   }
 
+  // bf16 queries over bf16 or fp8 caches take the bf16 microkernel where one runs (AMX,
+  // AVX512-BF16): fp8 values are exact in bf16, fp16 ones are not.
+  static constexpr bool kBf16Inputs =
+      std::is_same<T, bf16_t>::value && !std::is_same<C, fp16_t>::value;
+
   static void run(const AttnParams& p, const WorkItem& it, float* scratch) {
+    if constexpr (kBf16Inputs)
+      if (p.matrix->gemm_bf16_vnni != nullptr) return run_bf16(p, it, scratch);
+    run_f32(p, it, scratch);
+  }
+
+  static void run_f32(const AttnParams& p, const WorkItem& it, float* scratch) {
     const int D = p.head_size;
     const int G = p.num_heads / p.num_kv_heads;
     const int64_t qs = p.query_start_loc[it.req];
@@ -136,6 +147,128 @@ struct MatrixPrefill {
         p.matrix->gemm_f32(R, D, NK, lds, ldv, D, true, S, v, acc);
     }
     Base::finish(p, it, acc, m, l);
+  }
+
+  // The item's rows: visible ranges, positions, running state; [ulo, uhi] their union.
+  struct Rows {
+    float *m, *l;
+    int64_t *lo, *hi, *pos;
+    int64_t ulo = INT64_MAX, uhi = -1;
+  };
+  static Rows init_rows(const AttnParams& p, const WorkItem& it, int R, float* at) {
+    const int G = p.num_heads / p.num_kv_heads;
+    const int64_t q_len = p.query_start_loc[it.req + 1] - p.query_start_loc[it.req];
+    const int64_t kv_len = p.seq_lens[it.req];
+    Rows rows;
+    rows.m = at;
+    rows.l = at + R;
+    rows.lo = reinterpret_cast<int64_t*>((reinterpret_cast<uintptr_t>(at + 2 * R) + 7) / 8 * 8);
+    rows.hi = rows.lo + R;
+    rows.pos = rows.hi + R;
+    for (int r = 0; r < R; ++r) {
+      rows.pos[r] = kv_len - q_len + it.q_begin + r / G;
+      const KeyRange keys = visible_key_range(p, rows.pos[r], it.kv_begin, it.kv_end);
+      rows.lo[r] = keys.first;
+      rows.hi[r] = keys.last;
+      if (keys.first <= keys.last) {
+        rows.ulo = std::min(rows.ulo, keys.first);
+        rows.uhi = std::max(rows.uhi, keys.last);
+      }
+      rows.m[r] = kNegInf;
+      rows.l[r] = 0.f;
+    }
+    return rows;
+  }
+
+  // bf16 row of `src` (D values of C), rounded to nearest even (exact for bf16 and fp8).
+  static void bf16_row(const C* src, bf16_t* dst, int D) {
+    if constexpr (std::is_same<C, bf16_t>::value) std::memcpy(dst, src, sizeof(bf16_t) * D);
+    else for (int d = 0; d < D; d += W) VO::cvt_store(dst + d, VO::cvt_load(src + d));
+  }
+
+  // The same two GEMMs on bf16 inputs: K rows as A (bf16 caches of one block in place),
+  // Q^T packed once in the VNNI layout [D / 2][Rp][2], V tiles packed as [NK / 2][D][2],
+  // and the probabilities rounded to bf16 for the second GEMM, as every AMX flash kernel
+  // does (their fp32 sums are exact; the rounding is below bf16 outputs' own).
+  static void run_bf16(const AttnParams& p, const WorkItem& it, float* scratch) {
+    const int D = p.head_size;
+    const int G = p.num_heads / p.num_kv_heads;
+    const int64_t qs = p.query_start_loc[it.req];
+    const int R = (it.q_end - it.q_begin) * G;
+    const int Rp = (R + W - 1) / W * W;
+    const int lds = NK + W;
+    const int64_t BS = p.block_size;
+
+    float* acc = scratch;                                           // [R, D]
+    float* st = acc + R * D;                                        // [NK, Rp]
+    float* S = st + NK * Rp;                                        // [R, lds]
+    float* vrows = S + R * lds;                                     // [NK, D] (rare path)
+    bf16_t* qv = reinterpret_cast<bf16_t*>(vrows + NK * D);         // [D / 2][Rp][2]
+    bf16_t* kb = qv + D * Rp;                                       // [NK, D]
+    bf16_t* vv = kb + NK * D;                                       // [NK / 2][D][2]
+    bf16_t* P = vv + NK * D;                                        // [R, NK]
+    bf16_t* row = P + R * NK;                                       // [2, D]
+    Rows rows = init_rows(p, it, R, reinterpret_cast<float*>(row + 2 * D + 32));
+
+    std::memset(static_cast<void*>(qv), 0, sizeof(bf16_t) * D * Rp);
+    for (int r = 0; r < R; ++r) {
+      const T* q = Base::q_row(p, qs + it.q_begin + r / G, it.kv_head * G + r % G);
+      const bf16_t* qb = reinterpret_cast<const bf16_t*>(q);  // T is bf16 here
+      for (int d = 0; d < D; ++d) qv[(d / 2) * 2 * Rp + 2 * r + d % 2] = qb[d];
+      for (int d = 0; d < D; d += W) VO::store(acc + r * D + d, VO::zero());
+    }
+
+    const ScoreTransform<VO> tr(p);
+    const int32_t* bt = p.block_table + it.req * p.bt_stride;
+    const C* kbase = static_cast<const C*>(p.k_cache) + it.kv_head * p.k_stride_head;
+    const C* vbase = static_cast<const C*>(p.v_cache) + it.kv_head * p.v_stride_head;
+    const auto cache_row = [&](const C* base, int64_t stride_block, int64_t stride_tok,
+                               int64_t key) {
+      return base + bt[key / BS] * stride_block + (key % BS) * stride_tok;
+    };
+    for (int64_t key0 = rows.ulo; key0 <= rows.uhi; key0 += NK) {
+      const int n = static_cast<int>(std::min<int64_t>(NK, rows.uhi + 1 - key0));
+      const bf16_t* k = kb;
+      int64_t ldk = D;
+      if (std::is_same<C, bf16_t>::value && n == NK && key0 % BS + NK <= BS) {
+        k = reinterpret_cast<const bf16_t*>(
+            cache_row(kbase, p.k_stride_block, p.k_stride_tok, key0));
+        ldk = p.k_stride_tok;
+      } else {
+        for (int j = 0; j < n; ++j)
+          bf16_row(cache_row(kbase, p.k_stride_block, p.k_stride_tok, key0 + j), kb + j * D, D);
+        std::memset(static_cast<void*>(kb + n * D), 0, sizeof(bf16_t) * (NK - n) * D);
+      }
+      p.matrix->gemm_bf16_vnni(NK, Rp, D, ldk, Rp, Rp, false, k, qv, st);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NK; ++j) S[r * lds + j] = st[j * Rp + r];
+      for (int r = 0; r < R; ++r)
+        Base::softmax_row(p, tr, it.kv_head * G + r % G, S + r * lds, key0, 0, NK,
+                          rows.lo[r], rows.hi[r], rows.pos[r], rows.m + r, rows.l + r,
+                          acc + r * D, D);
+      bool nonfinite = false;
+      if (!every_row_sees(rows.lo, rows.hi, R, key0, key0 + n - 1)) {
+        int64_t ldv;
+        const float* v = fp32_rows(p, bt, vbase, p.v_stride_block, p.v_stride_tok, key0, n,
+                                   vrows, D, &ldv, true, &nonfinite);
+        if (nonfinite) accumulate_visible(S, lds, R, v, ldv, key0, n, rows.lo, rows.hi, acc, D);
+      }
+      if (nonfinite) continue;
+      for (int j = 0; j < NK; j += 2) {
+        bf16_t* pair = vv + (j / 2) * 2 * D;
+        for (int h = 0; h < 2; ++h) {
+          if (j + h < n)
+            bf16_row(cache_row(vbase, p.v_stride_block, p.v_stride_tok, key0 + j + h), row, D);
+          else
+            std::memset(static_cast<void*>(row), 0, sizeof(bf16_t) * D);
+          for (int d = 0; d < D; ++d) pair[2 * d + h] = row[d];
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NK; j += W) VO::cvt_store(P + r * NK + j, VO::load(S + r * lds + j));
+      p.matrix->gemm_bf16_vnni(R, D, NK, NK, D, D, true, P, vv, acc);
+    }
+    Base::finish(p, it, acc, rows.m, rows.l);
   }
 
   static void accumulate_visible(const float* P, int lds, int R, const float* v, int64_t ldv,
