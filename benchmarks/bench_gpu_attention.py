@@ -4,7 +4,7 @@ Decode rows time ``unified_attention`` on a paged cache (blocks in random order)
 bf16 (split-KV as chosen, and forced off: ``1split``) and with an fp8 (e4m3) cache, against SDPA on the same keys stored contiguously,
 which is the best a non-paged kernel can do: the query heads of a GQA group are
 folded into SDPA's query length, so one kv head is read once per group. Prefill rows
-(causal) time it against SDPA with whichever GQA form is fastest there
+(causal, cache blocks of 16 and of 64 tokens) time it against SDPA with whichever GQA form is fastest there
 (``enable_gqa=True`` or ``repeat_interleave``), named in the row. Every row checks
 our output against SDPA's first. Timings are ``triton.testing.do_bench`` medians, which
 clears the L2 cache before each call, so decode reads come from HBM; they include each
@@ -23,8 +23,10 @@ script works, not a timing).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +39,7 @@ from pagedattn.ops import triton as tops
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 DECODE_GRID = [(b, c) for b in (1, 8, 32, 128) for c in (1024, 4096, 16384)]
 PREFILL_GRID = [(1, 2048), (4, 512), (1, 8192), (8, 1024)]
+PREFILL_BLOCK_SIZES = (16, 64)  # the cache block sizes issue 35 asks to be fast
 SMOKE_DECODE, SMOKE_PREFILL = [(2, 40)], [(2, 24)]
 
 
@@ -53,6 +56,18 @@ class Row:
     @property
     def speedup(self) -> float:
         return self.peer_us / self.ours_us
+
+
+def load_ops(path: str):
+    """Another copy of the ``pagedattn.ops.triton`` package (e.g. a previous commit's,
+    ``git archive``d into ``path``), imported under its own name."""
+    init = os.path.join(path, "__init__.py")
+    spec = importlib.util.spec_from_file_location("other_triton_ops", init,
+                                                  submodule_search_locations=[path])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _timer(device: torch.device, cudagraph: bool = False):
@@ -74,17 +89,17 @@ def _timer(device: torch.device, cudagraph: bool = False):
 
 
 def paged_cache(keys: torch.Tensor, values: torch.Tensor,
-                cache_dtype: torch.dtype | None = None):
+                cache_dtype: torch.dtype | None = None, block_size: int = BLOCK_SIZE):
     """``(key_cache, value_cache, block_table)`` holding ``keys``/``values``
     ``[B, L, kv, hs]`` in the flash layout, blocks placed in a random order."""
     batch, length = keys.shape[:2]
-    blocks_per_seq = math.ceil(length / BLOCK_SIZE)
-    padded = blocks_per_seq * BLOCK_SIZE
+    blocks_per_seq = math.ceil(length / block_size)
+    padded = blocks_per_seq * block_size
     order = torch.randperm(batch * blocks_per_seq, device=keys.device)
 
     def place(x):
         x = F.pad(x, (0, 0, 0, 0, 0, padded - length))
-        blocks = x.reshape(batch * blocks_per_seq, BLOCK_SIZE, *x.shape[2:])
+        blocks = x.reshape(batch * blocks_per_seq, block_size, *x.shape[2:])
         cache = torch.empty_like(blocks)
         cache[order] = blocks
         return cache if cache_dtype is None else cache.to(cache_dtype)
@@ -177,14 +192,17 @@ def prefill_rows(grid, device, dtype, timer) -> list[Row]:
             batch * length, NUM_HEADS, HEAD_SIZE).float()
         peer_times = {name: timer(fn) for name, fn in peers.items()}
         best = min(peer_times, key=peer_times.get)
-        kc, vc, table = paged_cache(keys, values)
-        ours = run_ours(q.reshape(batch * length, NUM_HEADS, HEAD_SIZE), kc, vc, table,
-                        [length] * batch, [length] * batch, causal=True)
-        err = (ours().float() - expected).abs().max().item()
-        ours_us = timer(ours)
         flops = 4 * batch * NUM_HEADS * HEAD_SIZE * length * (length + 1) / 2
-        rows.append(Row("prefill", f"{batch} x {length}", ours_us, best, peer_times[best],
-                        err, f"{flops / ours_us / 1e6:.0f} TFLOP/s"))
+        for block_size in PREFILL_BLOCK_SIZES:
+            kc, vc, table = paged_cache(keys, values, block_size=block_size)
+            ours = run_ours(q.reshape(batch * length, NUM_HEADS, HEAD_SIZE), kc, vc, table,
+                            [length] * batch, [length] * batch, causal=True)
+            err = (ours().float() - expected).abs().max().item()
+            ours_us = timer(ours)
+            kind = "prefill" if block_size == BLOCK_SIZE else f"prefill-b{block_size}"
+            rows.append(Row(kind, f"{batch} x {length}", ours_us, best, peer_times[best],
+                            err, f"{flops / ours_us / 1e6:.0f} TFLOP/s"))
+            del kc, vc
         del keys, values, k_rep, v_rep
     return rows
 
@@ -198,7 +216,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="time CUDA-graph replays (no launch overhead; L2 is not cleared "
                         "between calls, so small decodes may read from L2)")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--ops-dir", help="time this copy of pagedattn/ops/triton instead (the "
+                   "before column of a change)")
     args = p.parse_args(argv)
+    if args.ops_dir:
+        global tops
+        tops = load_ops(args.ops_dir)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     problem = tops.launch_problem(device)
     if problem is not None:
@@ -214,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
     print(f"{where}; {dtype}; {NUM_HEADS}/{NUM_KV_HEADS} heads x {HEAD_SIZE}, block "
           f"{BLOCK_SIZE}; torch {torch.__version__}; "
-          f"{'CUDA-graph replays' if args.cudagraph else 'eager calls, L2 cleared before each'}")
+          f"{'CUDA-graph replays' if args.cudagraph else 'eager calls, L2 cleared before each'}"
+          f"{'; ops from ' + args.ops_dir if args.ops_dir else ''}")
     rows = decode_rows(decode_grid, device, dtype, timer)
     rows += prefill_rows(prefill_grid, device, dtype, timer)
     print(f"{'what':<13} {'shape':<13} {'ours us':>9} {'peer us':>9} {'x peer':>7} "

@@ -66,7 +66,7 @@ def feature_args(feature, num_heads, device, seed=5):
 
 def run_unified(b, *, scale=0.2, causal=True, window_size=(-1, -1), softcap=0.0,
                 alibi_slopes=None, sinks=None, k=None, v=None, k_descale=None,
-                v_descale=None, num_kv_splits=None):
+                v_descale=None, num_kv_splits=None, tiles=None):
     out = torch.full_like(b.query, math.nan)
     tops.unified_attention(
         q=b.query, k=b.key_cache if k is None else k, v=b.value_cache if v is None else v,
@@ -74,7 +74,7 @@ def run_unified(b, *, scale=0.2, causal=True, window_size=(-1, -1), softcap=0.0,
         seqused_k=b.seq_lens, max_seqlen_k=max(b.spec.seq_lens), softmax_scale=scale,
         causal=causal, alibi_slopes=alibi_slopes, window_size=window_size,
         block_table=b.block_table, softcap=softcap, q_descale=None, k_descale=k_descale,
-        v_descale=v_descale, sinks=sinks, num_kv_splits=num_kv_splits)
+        v_descale=v_descale, sinks=sinks, num_kv_splits=num_kv_splits, tiles=tiles)
     return out
 
 
@@ -111,6 +111,31 @@ def test_split_kv_matches_reference(splits, feature, dtype, device):
     args = feature_args(feature, 6, device)
     out = run_unified(b, num_kv_splits=splits, **args)
     torch.testing.assert_close(out.float().cpu(), expected(b, **args), **tolerance(dtype))
+
+
+PLANNED_TILES = sorted({shape for t in tops.TILE_TABLE.values() for shape in t.values()})
+
+
+# The interpreter runs one dtype of these (each costs seconds there).
+@pytest.mark.parametrize("dtype", DTYPES if ON_GPU else [torch.float16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("shape", PLANNED_TILES, ids=lambda s: "x".join(map(str, s)))
+def test_every_planned_tile_shape_matches_reference(shape, dtype, device):
+    # The test batches are short, so the plan alone would never pick the tiles of long
+    # prefills or of another GPU: force each shape of the table, with every feature, the
+    # split path and an fp8 cache. (Head 40 pads to 64; the group of 3 to 4.)
+    rows, block_n, num_warps, num_stages = shape
+    tiles = tops.Tiles(max(1, rows // 4), 4, 64, block_n, num_warps, num_stages)
+    b = make_batch(MIXED, dtype, device, seed=4)
+    args = feature_args("all", 6, device)
+    for splits in (None, 3):
+        out = run_unified(b, tiles=tiles, num_kv_splits=splits, **args)
+        torch.testing.assert_close(out.float().cpu(), expected(b, **args), **tolerance(dtype))
+    k8 = b.key_cache.float().nan_to_num(0.0).to(torch.float8_e5m2)
+    v8 = b.value_cache.float().nan_to_num(0.0).to(torch.float8_e5m2)
+    out = run_unified(b, tiles=tiles, k=k8, v=v8, **args)
+    want = expected(b, key_cache=k8.float().cpu(), value_cache=v8.float().cpu(), **args)
+    atol = max(TOLERANCES[dtype][0], 2e-3)
+    torch.testing.assert_close(out.float().cpu(), want, atol=atol, rtol=atol)
 
 
 def test_split_kv_chosen_for_small_decode_batches_on_a_gpu_only(device):

@@ -334,23 +334,29 @@ class Tiles:
         return self.block_q * self.group_p
 
 
-# (rows, keys, num_warps, num_stages) of a tile, by step kind, for head sizes up to 128;
-# rows = query tokens x the heads of a GQA group. The one place the tiles are chosen.
+# (rows, keys, num_warps, num_stages) of a tile, by step kind, for head sizes up to 128
+# (larger heads get proportionally fewer rows); rows = query tokens x the heads of a GQA
+# group. The one place the tiles are chosen. Step kinds: "decode" (one query token per
+# request), "short" (prefills shorter than LONG_PREFILL tokens: many small tiles keep
+# every multiprocessor busy), "prefill".
 # - "small": fp32 (whose tiles would not fit shared memory at the 16-bit sizes) and the
 #   interpreter (where every tile costs Python time).
-# - "gpu": 16-bit data on a GPU before Hopper, as measured on an H100 before the Hopper
-#   table existed.
-# - "hopper": 16-bit data on compute capability 9.x, from benchmarks/tune_gpu_prefill.py
-#   (docs/gpu_backends.md has the sweep).
+# - "gpu": 16-bit data on a GPU other than Hopper, as measured on an H100 before the
+#   Hopper table existed.
+# - "hopper": 16-bit data on compute capability 9.x, the best of
+#   benchmarks/tune_gpu_prefill.py's sweep on an H200 (docs/gpu_backends.md). Prefill
+#   wants 128 rows per warpgroup of 4 warps.
 TILE_TABLE: dict[str, dict[str, tuple[int, int, int, int]]] = {
-    "small": {"decode": (16, 32, 4, 2), "prefill": (64, 32, 4, 2)},
-    "gpu": {"decode": (16, 64, 4, 3), "prefill": (128, 64, 8, 3)},
-    "hopper": {"decode": (16, 64, 4, 3), "prefill": (128, 64, 8, 3)},
+    "small": {"decode": (16, 32, 4, 2), "short": (64, 32, 4, 2), "prefill": (64, 32, 4, 2)},
+    "gpu": {"decode": (16, 64, 4, 3), "short": (128, 64, 8, 3), "prefill": (128, 64, 8, 3)},
+    "hopper": {"decode": (16, 128, 4, 2), "short": (64, 32, 4, 2),
+               "prefill": (256, 64, 8, 3)},
 }
-SHARED_MEMORY_BUDGET = 160 * 1024
-"""Bytes of K/V stages (plus the Q tile) a plan may ask for: under every CUDA GPU's
-per-block limit from Ampere on (A100 164 KB, H100 227 KB) with room for Triton's own
-scratch. Head sizes past 128 trade stages, then keys per tile, to stay inside it."""
+LONG_PREFILL = 1024
+SHARED_MEMORY_BUDGET = {"small": 160 * 1024, "gpu": 160 * 1024, "hopper": 227 * 1024}
+"""Bytes of K/V stages plus the Q tile a plan may ask for (an overestimate of Triton's
+use): under the per-block limit of Ampere's A100 (164 KB) and of Hopper (227 KB). Past
+the budget a plan gives up stages, then keys per tile."""
 
 
 def _tile_table_key(device: torch.device, dtype: torch.dtype) -> str:
@@ -359,25 +365,30 @@ def _tile_table_key(device: torch.device, dtype: torch.dtype) -> str:
     return "hopper" if _capability(device)[0] == 9 else "gpu"
 
 
-def _tile_sizes(max_seqlen_q: int, group: int, head_size: int, table: str) -> Tiles:
+def _tile_sizes(max_seqlen_q: int, group: int, head_size: int, table: str,
+                element_size: int = 2) -> Tiles:
     """Tile shape of :func:`unified_attention` from ``TILE_TABLE[table]``. ``tl.dot``
     needs every dimension >= 16, so a decode tile is one token times the group, padded
     to 16 rows; prefill tiles hold as many tokens as the table's rows allow."""
     group_p = _next_pow2(group)
     head_p = max(16, _next_pow2(head_size))
-    rows, block_n, num_warps, num_stages = TILE_TABLE[table][
-        "decode" if max_seqlen_q <= 1 else "prefill"]
+    kind = ("decode" if max_seqlen_q <= 1 else
+            "short" if max_seqlen_q < LONG_PREFILL else "prefill")
+    rows, block_n, num_warps, num_stages = TILE_TABLE[table][kind]
+    if head_p > 128:  # the accumulator is rows x head_p: keep it in registers
+        rows = max(16, rows * 128 // head_p)
     block_q = max(1, rows // group_p, 16 // group_p)
     block_q = min(block_q, max(_next_pow2(max_seqlen_q), 16 // group_p, 1))
     if block_q * group_p < rows:
         num_warps = min(num_warps, 4)  # a short prefill's tile is no bigger than a decode's
 
     def shared_bytes(n, stages):
-        return 2 * head_p * (stages * 2 * n + block_q * group_p)
+        return element_size * head_p * (stages * 2 * n + block_q * group_p)
 
-    while num_stages > 2 and shared_bytes(block_n, num_stages) > SHARED_MEMORY_BUDGET:
+    budget = SHARED_MEMORY_BUDGET[table]
+    while num_stages > 2 and shared_bytes(block_n, num_stages) > budget:
         num_stages -= 1
-    while block_n > 16 and shared_bytes(block_n, num_stages) > SHARED_MEMORY_BUDGET:
+    while block_n > 16 and shared_bytes(block_n, num_stages) > budget:
         block_n //= 2
     return Tiles(block_q, group_p, head_p, block_n, num_warps, num_stages)
 
@@ -395,12 +406,13 @@ def _multiprocessors(device: torch.device) -> int:
 def _kv_splits_for(device: torch.device, programs: int, max_seqlen_q: int,
                    max_seqlen_k: int, block_n: int) -> int:
     """Split-KV for decode batches whose ``programs`` (requests x kv heads) would leave
-    most of the GPU idle: enough splits for about four programs per multiprocessor,
-    each split at least four key tiles long."""
+    most of the GPU idle: enough splits for about two programs per multiprocessor,
+    each split at least two key tiles long (the sweep in docs/gpu_backends.md: more
+    splits than that cost more in partial states and the merge than they gain)."""
     if device.type != "cuda" or max_seqlen_q > 1 or programs == 0:
         return 1
-    by_occupancy = -(-4 * _multiprocessors(device) // programs)
-    by_length = max_seqlen_k // (4 * block_n)
+    by_occupancy = 2 * _multiprocessors(device) // programs
+    by_length = max_seqlen_k // (2 * block_n)
     return max(1, min(by_occupancy, by_length, MAX_KV_SPLITS))
 
 
@@ -545,7 +557,8 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
     require_int("num_kv_splits", num_kv_splits, 1, maximum=MAX_KV_SPLITS, allow_none=True)
     group = num_heads // num_kv_heads
     if tiles is None:
-        tiles = _tile_sizes(max_seqlen_q, group, head_size, _tile_table_key(device, q.dtype))
+        tiles = _tile_sizes(max_seqlen_q, group, head_size, _tile_table_key(device, q.dtype),
+                            q.element_size())
     elif tiles.group_p != _next_pow2(group) or tiles.head_p < head_size:
         raise ValueError(f"tiles {tiles} do not fit a group of {group} and head size "
                          f"{head_size}")
