@@ -74,7 +74,13 @@ def test_logprobs_only_for_requests_that_ask():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(min_tokens=-1), "min_tokens must be an int >= 0, got -1"),
     (dict(min_tokens=5, max_tokens=4), "min_tokens must be <= max_tokens=4, got 5"),
-    (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    (dict(repetition_penalty=0), "repetition_penalty must be >= 0.01"),
+    (dict(repetition_penalty=1e-300), r"repetition_penalty must be >= 0.01 \(1 = off\), got 1e-300"),
+    (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
+    (dict(top_p=float("inf")), "top_p must be a finite number, got inf"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+    (dict(stop_token_ids=[5, -1]), "stop_token_ids must be a list of ints >= 0, got -1"),
+    (dict(stop_token_ids=[True]), "stop_token_ids must be a list of ints >= 0, got True"),
     (dict(logprobs=-1), "logprobs must be None or an int >= 0, got -1"),
 ])
 def test_bad_values_name_themselves(kwargs, match):
@@ -104,3 +110,51 @@ def _argmax_cases() -> dict[str, torch.Tensor]:
 def test_argmax_rows_is_torchs_argmax(case):
     logits = _argmax_cases()[case]
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("kwargs, field, want", [
+    (dict(temperature=1e-300), "temperature", 0.01),
+    (dict(temperature=0.009), "temperature", 0.01),
+    (dict(temperature=0.01), "temperature", 0.01),
+    (dict(temperature=0.0), "temperature", 0.0),  # greedy stays greedy
+    (dict(top_p=1e-300), "top_p", 1e-6),
+    (dict(top_p=0.5), "top_p", 0.5),
+])
+def test_tiny_temperature_and_top_p_are_raised_to_their_floors(kwargs, field, want):
+    assert getattr(SamplingParams(**kwargs), field) == want
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=1e-300), dict(temperature=0.5, top_p=1e-300),
+                                    dict(temperature=1e-300, top_p=1e-300, top_k=2)])
+def test_tiny_values_sample_the_top_token(kwargs):
+    logits = torch.tensor([[1.0, 9.0, 3.0, 2.0]])
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, [_req(**kwargs)], [gen]).tokens == [1]
+
+
+def test_a_failure_in_one_row_fails_that_request_alone(monkeypatch):
+    import pagedattn.engine.sampler as sampler
+
+    original = sampler._pick
+
+    def faulty(row, req, gen):
+        if req.req_id == "bad":
+            raise RuntimeError("injected")
+        return original(row, req, gen)
+
+    monkeypatch.setattr(sampler, "_pick", faulty)
+    good, bad = _req(repetition_penalty=1.5), _req(logprobs=2)
+    bad.req_id = "bad"
+    logits = torch.tensor([[1.0, 9.0, 3.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    out = sample(logits, [bad, good], [None, None])
+    assert out.tokens == [None, 0]
+    assert out.logprobs == [None, None]
+    assert bad.failure == "sampling failed: RuntimeError: injected" and good.failure is None
+
+
+def test_a_row_with_no_drawable_token_fails_with_a_reason():
+    logits = torch.full((1, 4), float("nan"))
+    req = _req(temperature=1.0)
+    out = sample(logits, [req], [torch.Generator().manual_seed(0)])
+    assert out.tokens == [None]
+    assert "no token can be drawn" in req.failure

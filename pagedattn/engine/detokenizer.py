@@ -13,10 +13,19 @@ text that can no longer change.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 REPLACEMENT = "\ufffd"
 # Tokens of context before the undecoded ones: enough for a leading space and for a
 # character split over several byte tokens (UTF-8: at most 4 bytes).
 CONTEXT_TOKENS = 5
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` cut before the first stop string in it (all of it when none appears): the
+    rule for a finished request's text, offline and served."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[:min(cuts)] if cuts else text
 
 
 class IncrementalDetokenizer:
@@ -78,9 +87,8 @@ class StreamingText:
             # One whole decode at the end, so the text is exactly the tokenizer's decode of
             # the whole output (what offline generation returns), cut before a stop string.
             det.tokens.extend(token_ids)
-            text = det.decode(det.tokens)
-            cuts = [i for i in (text.find(s) for s in det.stop) if i >= 0]
-            end = min(cuts) if cuts else len(text)
+            text = cut_at_stop(det.decode(det.tokens), det.stop)
+            end = len(text)
         else:
             det.feed(token_ids)
             text, stop = det.text, det.first_stop()
@@ -88,3 +96,7 @@ class StreamingText:
         out = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return out
+
+    def flush(self) -> str:
+        """The text held back so far, final now that no token will follow (an abort)."""
+        return self.add([], True)

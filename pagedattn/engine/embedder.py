@@ -12,6 +12,7 @@ import torch
 
 from pagedattn.backend import CommonAttentionMetadata
 from pagedattn.engine.args import EngineArgs
+from pagedattn.engine.inputs import check_text, check_token_ids, longest_token_chars
 from pagedattn.engine.loading import LoadedModel
 from pagedattn.models.bert import BertModel
 from pagedattn.paging import PAD_SLOT_ID, query_start_loc
@@ -41,14 +42,23 @@ class Embedder:
         self.builder = loaded.attention.builder
         self.max_model_len = loaded.max_model_len
         self.max_num_batched_tokens = args.max_num_batched_tokens
+        self._max_chars: int | None = None
 
     def token_ids(self, text: str | Sequence[int]) -> list[int]:
+        """Checked token ids of one input: a text (truncated to the context) or a list of
+        ids (each in the vocabulary, no more than the context)."""
         if isinstance(text, str):
             if self.tokenizer is None:
                 raise ValueError("text inputs need a tokenizer; pass token-id lists")
-            ids = self.tokenizer(text, truncation=True, max_length=self.max_model_len).input_ids
+            check_text(text, "input")
+            if self._max_chars is None:
+                self._max_chars = 2 * self.max_model_len * longest_token_chars(self.tokenizer)
+            # Truncation keeps the first max_model_len tokens, and those come from the
+            # text's head: the tail is never tokenized, however long the text.
+            ids = self.tokenizer(text[:self._max_chars], truncation=True,
+                                 max_length=self.max_model_len).input_ids
         else:
-            ids = list(text)
+            ids = check_token_ids(text, self.model_config.vocab_size, "input")
             if len(ids) > self.max_model_len:
                 raise ValueError(f"input of {len(ids)} tokens exceeds max_model_len={self.max_model_len}")
         if not ids:

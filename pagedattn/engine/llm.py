@@ -23,6 +23,7 @@ import torch
 
 from pagedattn.checks import is_int
 from pagedattn.engine.args import DTYPES, LINEAR_IMPLS, EngineArgs  # noqa: F401 (re-exported)
+from pagedattn.engine.detokenizer import cut_at_stop
 from pagedattn.engine.embedder import Embedder
 from pagedattn.engine.llm_engine import LLMEngine, StepStats
 from pagedattn.engine.loading import load_model
@@ -158,17 +159,11 @@ class LLM:
     # ------------------------------------------------------------------ generation
 
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        inputs = self._decoder("generate()").inputs
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (the LLM was built with "
-                                 "skip_tokenizer_init=True): pass token-id lists")
-            return prompt, self.tokenizer(prompt).input_ids
+            return prompt, inputs.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {self.config.vocab_size})")
-            return None, list(prompt)
+            return None, inputs.check_ids(prompt)
         raise TypeError(f"a prompt must be a string or a list of token ids, got {prompt!r:.80}")
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
@@ -189,9 +184,12 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError("sampling_params must be SamplingParams (or a list of them)")
+        # Every prompt is checked before any is queued, so a bad one leaves nothing behind.
+        checked = [self._prompt_ids(prompt) for prompt in prompts]
+        for sp in params:
+            engine.check_sampling_params(sp)
         reqs, texts = [], []
-        for prompt, sp in zip(prompts, params):
-            text, ids = self._prompt_ids(prompt)
+        for (text, ids), sp in zip(checked, params):
             try:
                 req = engine.add_request(ids, sp)
             except RequestRejectedError as exc:
@@ -207,22 +205,21 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate answers to one conversation (a list of ``{"role", "content"}``) or a
         list of conversations, through the model's chat template."""
-        self._decoder("chat()")
+        engine = self._decoder("chat()")
         missing = self.chat_template_missing()
         if missing:
             raise ValueError(f"chat() cannot format messages for model {self.args.model!r}: "
                              f"{missing}; pass a plain prompt to generate() instead")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
-            prompts.append(self.tokenizer(text, add_special_tokens=False).input_ids)
+        prompts = [engine.inputs.chat(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_template_missing(self) -> str | None:
         """Why this model cannot format chat messages (``None`` when it can): no tokenizer,
         or a tokenizer whose checkpoint carries no chat template (the pretrained Gemma 3
         GGUF, for one)."""
+        if self.engine is not None:
+            return self.engine.inputs.template_missing()
         if self.tokenizer is None:
             return "it has no tokenizer (built with skip_tokenizer_init=True)"
         if not getattr(self.tokenizer, "chat_template", None):
@@ -252,11 +249,7 @@ class LLM:
         self.last_stats = GenerateStats.since(before, engine.stats, time.perf_counter() - start)
 
     def _output(self, req: Request, prompt: str | None) -> RequestOutput:
-        text = self.engine.decode(req.output_token_ids)
-        for s in req.sampling_params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
+        text = cut_at_stop(self.engine.decode(req.output_token_ids), req.sampling_params.stop)
         metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time,
                                  req.num_prompt_tokens, req.num_prefix_hit_tokens)
         return RequestOutput(req.req_id, prompt, req.prompt_token_ids, text,

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from pagedattn.engine.args import EngineArgs
 from pagedattn.engine.block_pool import KVCacheManager
 from pagedattn.engine.detokenizer import IncrementalDetokenizer
+from pagedattn.engine.inputs import PromptInputs, check_token_ids
 from pagedattn.engine.loading import LoadedModel
 from pagedattn.engine.model_runner import ModelRunner
 from pagedattn.engine.request import FinishReason, Request
 from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.engine.scheduler import Scheduler
+from pagedattn.engine.scheduler import RequestRejectedError, Scheduler
+from pagedattn.models.loader import describe_model
 
 
 @dataclass
@@ -37,10 +39,26 @@ class StepStats:
 @dataclass(frozen=True)
 class StepResult:
     """What one :meth:`LLMEngine.step` did: the requests that got a token, and of those
-    the ones that finished."""
+    the ones that finished; ``failed``: the requests whose own processing (sampling, stop
+    strings) raised, finished with ``error`` (the reason in ``Request.error``). A failed
+    request that got its token first is in ``sampled`` and ``finished`` too."""
 
     sampled: list[Request]
     finished: list[Request]
+    failed: list[Request] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds now (:meth:`LLMEngine.load`): for gauges and probes."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_hits: int
+    prefix_cache_queries: int
+    num_preemptions: int
 
 
 class LLMEngine:
@@ -76,6 +94,9 @@ class LLMEngine:
         self.eos_token_id = cfg.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
+        self.inputs = PromptInputs(self.tokenizer, cfg.vocab_size, self.max_model_len,
+                                   describe_model(args.model))
+        """Prompt text and chat messages to checked token ids (``engine/inputs.py``)."""
         self.stats = StepStats()
         self._ids = itertools.count()
 
@@ -88,11 +109,42 @@ class LLMEngine:
                     request_id: str | None = None) -> Request:
         """Queue a request. Raises ``RequestRejectedError`` (a ``ValueError``) if it can
         never run, e.g. a prompt longer than the context."""
+        self.check_sampling_params(sampling_params)
         req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(req_id, list(prompt_token_ids), sampling_params,
                       eos_token_id=self.eos_token_id)
         self.scheduler.add_request(req)
         return req
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Raise ValueError where ``params`` name a token this model does not have."""
+        check_token_ids(params.stop_token_ids, self.model_config.vocab_size, "stop_token_ids")
+
+    def check_prompt(self, prompt_token_ids: list[int], what: str = "prompt") -> list[int]:
+        """The prompt's ids if every one is in the vocabulary and one more token fits in
+        the context; else ValueError (``RequestRejectedError`` for the length) naming it."""
+        ids = check_token_ids(prompt_token_ids, self.model_config.vocab_size, what)
+        if not ids:
+            raise RequestRejectedError(f"{what}: the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestRejectedError(
+                f"{what}: the prompt has {len(ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens and one more token must fit")
+        return ids
+
+    def max_new_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        """``requested`` if the prompt and that many new tokens fit in the context (the
+        server's rule, as vLLM's: a larger value is an error, not a silent cap);
+        ``None``: as many as fit."""
+        room = self.max_model_len - num_prompt_tokens
+        if requested is None:
+            return room
+        if requested > room:
+            raise RequestRejectedError(
+                f"max_tokens: {requested} new tokens do not fit: this model's context is "
+                f"{self.max_model_len} tokens and the prompt has {num_prompt_tokens}, "
+                f"leaving {room}")
+        return requested
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request (frees its blocks); False if unknown."""
@@ -120,7 +172,11 @@ class LLMEngine:
             stats.num_decode_tokens += len(sampled)
             stats.decode_time += now - t0
         got_token = self.scheduler.update(out, sampled)
-        finished = []
+        finished, failed = [], []
+        for req in out.requests.values():
+            if req.failure is not None and not req.is_finished:
+                self._fail(req, failed)
+                finished.append(req)
         for req in got_token:
             stats.num_output_tokens += 1
             if req.req_id in logprobs:
@@ -129,13 +185,35 @@ class LLMEngine:
                 req.first_token_time = now
                 stats.ttfts.append(now - req.arrival_time)
             sp = req.sampling_params
-            if not req.is_finished and sp.stop and len(req.output_token_ids) >= sp.min_tokens \
-                    and self._hit_stop(req):
-                self.scheduler.finish_request(req, FinishReason.STOP)
+            if not req.is_finished and sp.stop and len(req.output_token_ids) >= sp.min_tokens:
+                try:
+                    hit = self._hit_stop(req)
+                except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+                    req.failure = f"stop-string check failed: {type(exc).__name__}: {exc}"
+                    self._fail(req, failed)
+                    hit = False
+                if hit:
+                    self.scheduler.finish_request(req, FinishReason.STOP)
             if req.is_finished:
                 self.runner.forget(req.req_id)
                 finished.append(req)
-        return StepResult(got_token, finished)
+        return StepResult(got_token, finished, failed)
+
+    def _fail(self, req: Request, failed: list[Request]) -> None:
+        self.scheduler.finish_request(req, FinishReason.ERROR, req.failure)
+        self.runner.forget(req.req_id)
+        failed.append(req)
+
+    def load(self) -> EngineLoad:
+        """Requests and KV blocks held now, and the prefix-cache and preemption counts."""
+        sched, pool = self.scheduler, self.kv.pool
+        return EngineLoad(len(sched.running), len(sched.waiting),
+                          pool.num_blocks - pool.num_free_blocks, pool.num_blocks,
+                          pool.num_hits, pool.num_queries, sched.num_preemptions)
+
+    def running_request_ids(self) -> list[str]:
+        """Ids of the requests in the running batch."""
+        return [r.req_id for r in self.scheduler.running]
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""

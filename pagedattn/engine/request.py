@@ -59,6 +59,9 @@ class Request:
     finish_time: float | None = None
     stop_text: Any = None
     """With stop strings: the ``detokenizer.IncrementalDetokenizer`` that finds them."""
+    failure: str | None = None
+    """Set where processing this request alone raised (its sampling, its stop strings):
+    the engine then finishes it with ``error`` and the other requests go on."""
 
     @property
     def num_tokens(self) -> int:

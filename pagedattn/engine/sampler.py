@@ -3,10 +3,16 @@
 Before picking, :func:`apply_logits_processors` applies the per-request rules that
 depend on what the request has seen: the repetition penalty and ``min_tokens`` (which
 bans the tokens that would stop it early).
+
+Each row is processed on its own: an exception while processing or picking one request's
+token fails that request alone (its entry in ``SamplerOutput.tokens`` is ``None`` and
+``Request.failure`` says why; the engine finishes it with ``error``), and the other rows
+of the batch get their tokens.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +25,8 @@ TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    tokens: list[int]
+    tokens: list[int | None]
+    """One entry per row; ``None`` where picking the token failed (``Request.failure``)."""
     logprobs: list[TokenLogprobs | None]
     """One entry per row; ``None`` where the request asked for no logprobs."""
 
@@ -38,18 +45,22 @@ def _banned_tokens(req: Request) -> list[int]:
 def apply_logits_processors(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """``logits`` (``[n, vocab]`` float32, one row per request) with the repetition
     penalty and ``min_tokens`` bans applied, in place."""
-    vocab = logits.shape[-1]
-    for i, req in enumerate(reqs):
-        penalty = req.sampling_params.repetition_penalty
-        if penalty != 1.0:
-            seen = torch.tensor(sorted({t for t in req.prompt_token_ids + req.output_token_ids
-                                        if 0 <= t < vocab}), dtype=torch.long)
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
-        banned = [t for t in _banned_tokens(req) if 0 <= t < vocab]
-        if banned:
-            logits[i, banned] = float("-inf")
+    for row, req in zip(logits, reqs):
+        _process_row(row, req)
     return logits
+
+
+def _process_row(row: torch.Tensor, req: Request) -> None:
+    vocab = row.shape[-1]
+    penalty = req.sampling_params.repetition_penalty
+    if penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in req.prompt_token_ids + req.output_token_ids
+                                    if 0 <= t < vocab}), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    banned = [t for t in _banned_tokens(req) if 0 <= t < vocab]
+    if banned:
+        row[banned] = float("-inf")
 
 
 def _needs_processing(req: Request) -> bool:
@@ -77,10 +88,17 @@ def _pick(row: torch.Tensor, req: Request, gen: torch.Generator | None) -> int:
     probs = torch.softmax(row, dim=-1)
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always the top token)
+        # keep the smallest prefix whose mass reaches top_p; the top token stays even where
+        # top_p rounds to 0 in float32
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    total = float(probs.sum())
+    if not math.isfinite(total) or total <= 0.0:
+        raise ValueError(f"no token can be drawn: the probabilities sum to {total} "
+                         f"(temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, "
+                         f"repetition_penalty={p.repetition_penalty})")
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
@@ -107,11 +125,18 @@ def sample(logits: torch.Tensor, reqs: list[Request],
     plain = not any(_needs_processing(r) or r.sampling_params.logprobs is not None for r in reqs)
     if plain and all(r.sampling_params.greedy for r in reqs):
         return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(reqs))
-    logits = apply_logits_processors(logits.float(), reqs)
-    tokens, logprobs = [], []
+    logits = logits.float()
+    tokens: list[int | None] = []
+    logprobs: list[TokenLogprobs | None] = []
     for row, req, gen in zip(logits, reqs, generators):
-        token = _pick(row, req, gen)
+        try:
+            _process_row(row, req)
+            token = _pick(row, req, gen)
+            top = req.sampling_params.logprobs
+            lp = None if top is None else _logprobs(row, token, top)
+        except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+            req.failure = f"sampling failed: {type(exc).__name__}: {exc}"
+            token, lp = None, None
         tokens.append(token)
-        top = req.sampling_params.logprobs
-        logprobs.append(None if top is None else _logprobs(row, token, top))
+        logprobs.append(lp)
     return SamplerOutput(tokens, logprobs)

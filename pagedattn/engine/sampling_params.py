@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagedattn.checks import require_int, require_number
+
+TEMPERATURE_FLOOR = 0.01
+"""Temperatures in ``(0, TEMPERATURE_FLOOR)`` are raised to it (vLLM does the same). The
+logits are divided by the temperature in float32: at 1e-300 they overflow to inf, softmax
+gives NaN and the draw fails. At 0.01 a gap of one logit is already a factor e**100, so
+sampling is as sharp as it can usefully be; ``temperature=0`` is the greedy argmax."""
+
+TOP_P_FLOOR = 1e-6
+"""``top_p`` values in ``(0, TOP_P_FLOOR)`` are raised to it. The nucleus keeps the most
+likely token whatever ``top_p`` is, so the floor changes no draw; it keeps ``top_p``
+meaningful as a float32 (1e-300 rounds to 0 there)."""
+
+REPETITION_PENALTY_MIN = 0.01
+"""The smallest ``repetition_penalty`` accepted: a penalty p divides the positive logits
+by p, and below about 1e-38 (float32's smallest normal) that is a division by zero."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +35,11 @@ class SamplingParams:
     of ``stop_token_ids``, or when the text contains one of ``stop`` (the text is cut
     before it); none of these stops it before ``min_tokens`` new tokens.
 
-    ``repetition_penalty`` (> 0, ``1.0`` = off) divides the positive logits and multiplies
+    ``temperature`` in ``(0, 0.01)`` is raised to 0.01 and ``top_p`` in ``(0, 1e-6)`` to
+    1e-6 (:data:`TEMPERATURE_FLOOR`, :data:`TOP_P_FLOOR`), as vLLM does, so no valid
+    value can overflow the float32 sampling math.
+
+    ``repetition_penalty`` (>= 0.01, ``1.0`` = off) divides the positive logits and multiplies
     the negative ones of every token already in the prompt or the output (CTRL's rule).
     ``logprobs`` (``None`` = off) asks for the log-probability of each sampled token plus
     the ``logprobs`` most likely alternatives, from the model's distribution after the
@@ -42,14 +62,24 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
-            return require_number(name, getattr(self, name))
+            value = require_number(name, getattr(self, name))
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+            return value
 
-        if number("temperature") < 0:
+        temperature = number("temperature")
+        if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < number("top_p") <= 1.0:
+        if 0 < temperature < TEMPERATURE_FLOOR:
+            object.__setattr__(self, "temperature", TEMPERATURE_FLOOR)
+        top_p = number("top_p")
+        if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if number("repetition_penalty") <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if top_p < TOP_P_FLOOR:
+            object.__setattr__(self, "top_p", TOP_P_FLOOR)
+        if number("repetition_penalty") < REPETITION_PENALTY_MIN:
+            raise ValueError(f"repetition_penalty must be >= {REPETITION_PENALTY_MIN} "
+                             f"(1 = off), got {self.repetition_penalty}")
         for name, low in (("top_k", -1), ("max_tokens", 1), ("min_tokens", 0)):
             require_int(name, getattr(self, name), low)
         require_int("seed", self.seed, allow_none=True, error=TypeError, expected="an int or None")
@@ -63,7 +93,10 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", [int(t) for t in self.stop_token_ids])
+        ids = list(self.stop_token_ids)
+        for t in ids:
+            require_int("stop_token_ids", t, 0, numpy=True, expected="a list of ints >= 0")
+        object.__setattr__(self, "stop_token_ids", [int(t) for t in ids])
 
     @property
     def greedy(self) -> bool:

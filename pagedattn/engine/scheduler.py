@@ -209,10 +209,11 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def finish_request(self, req: Request, reason: FinishReason) -> None:
-        """Finish a request for a reason found outside the scheduler (stop strings)."""
+    def finish_request(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Finish a request for a reason found outside the scheduler (stop strings, a
+        failure of its own)."""
         if not req.is_finished:
-            self._finish(req, reason)
+            self._finish(req, reason, error)
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         if req in self.running:
