@@ -123,6 +123,35 @@ def test_flop_and_byte_counts_follow_the_mask():
     assert w.flops() == 0 and w.bytes_moved() == 2 * 96 * 2 * 32 * 2 * 2
 
 
+class _Limits:
+    """A machine of 20 GB/s DRAM read and 100 GFLOP/s in every dtype."""
+    dram_read_gbps = 20.0
+
+    @staticmethod
+    def peak_gflops(dtype) -> float:
+        return 100.0
+
+
+@pytest.mark.parametrize("scenario, bound, t_min_s", [
+    # B1 x 8192 decode, 32/8 heads x 128, bf16. Bytes: K and V of 8192 tokens x 8 kv heads
+    # x 128 x 2 B = 33,554,432, plus q and out, 2 x 32 x 128 x 2 B = 16,384: 33,570,816 B
+    # = 1.678541 ms at 20 GB/s. FLOPs: q.k and p.v, 2 x 2 x 128 per (query head, key):
+    # 4 x 128 x 8192 x 32 = 134,217,728 = 1.342177 ms at 100 GFLOP/s. Memory-bound.
+    (Scenario("d", "decode", (8192,), (1,)), "memory", 33_570_816 / 20e9),
+    # Causal 512-token prefill: 512 x 513 / 2 = 131,328 visible (query, key) pairs per
+    # head; 4 x 128 x 131,328 x 32 = 2,151,677,952 FLOPs = 21.516780 ms. Bytes: KV
+    # 2,097,152 + q and out 8,388,608 = 10,485,760 (0.524 ms). Compute-bound.
+    (Scenario("p", "prefill", (512,), (512,)), "compute", 2_151_677_952 / 100e9),
+], ids=["decode-b1-c8192", "prefill-b1-c512"])
+def test_roofline_by_hand(scenario, bound, t_min_s):
+    """The roof a row is timed against: the larger of its DRAM time (each KV byte read
+    once, q read and out written once) and its compute time (4 x head_size FLOPs per
+    visible query-head/key pair: the q.k and p.v multiply-adds; softmax not counted)."""
+    roof = report.roofline(runner.ScenarioResult(scenario, 1, {}), _Limits())
+    assert roof["bound"] == bound
+    assert roof["t_min_s"] == pytest.approx(t_min_s, rel=1e-12)
+
+
 def test_inputs_rotate_over_disjoint_random_block_copies():
     s = tiny_suite()[0]
     inputs = build_inputs(s, copies=3)
