@@ -15,6 +15,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from pagedattn.serve.app import build_app  # noqa: E402
+from pagedattn.serve.cli import graceful_server  # noqa: E402
 
 HOST = "127.0.0.1"  # every test server listens here and nowhere else
 
@@ -38,7 +39,7 @@ def serve_in_thread(llm, **app_kwargs):
     sock.bind((HOST, 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    server = graceful_server(uvicorn, app.state.serve)(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -16,13 +16,23 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+from typing import Callable, TypeVar
+
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedattn.engine.llm import LLM
 from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.serve.body import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    UNREAD_BODY,
+    check_content_type,
+    parse_json,
+    read_body,
+)
 from pagedattn.serve.engine_loop import EngineLoop, new_torch_thread
 from pagedattn.serve.metrics import ServeMetrics
 from pagedattn.serve.protocol import (
@@ -31,9 +41,17 @@ from pagedattn.serve.protocol import (
     CompletionRequest,
     EmbeddingRequest,
     error_body,
+    pick_error,
     validation_message,
 )
 from pagedattn.serve.responses import Kind, merge_logprobs, sse
+
+Body = TypeVar("Body", bound=BaseModel)
+
+# Bodies up to this size are parsed and tokenized on the event loop (well under a
+# millisecond); larger ones on the input threads, so a long prompt's tokenization (seconds
+# for megabytes: the tokenizer releases the GIL) never stalls other clients or /health.
+INLINE_BODY_BYTES = 32 * 1024
 
 
 class ServeState:
@@ -41,15 +59,19 @@ class ServeState:
 
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
                  max_queued_requests: int | None = None,
-                 torch_thread: ThreadPoolExecutor | None = None) -> None:
+                 torch_thread: ThreadPoolExecutor | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
         self.max_queued_requests = max_queued_requests
+        self.max_request_bytes = max_request_bytes
         self.metrics = ServeMetrics(model_name)
         torch_thread = torch_thread or new_torch_thread()
         self.loop = EngineLoop(llm.engine, self.metrics, torch_thread) if llm.engine else None
         self.embed_pool = torch_thread if llm.embedder else None
+        # Tokenizing and checking large inputs: off the event loop and off the engine thread.
+        self.input_pool = ThreadPoolExecutor(2, "pagedattn-inputs")
         self.started = time.time()
 
     def check_model(self, model: str) -> None:
@@ -63,45 +85,82 @@ class ServeState:
                                 "encoder: use /v1/embeddings", param="model")
         return self.loop
 
+    async def parse(self, request: Request, schema: type[Body]) -> tuple[Body, bool]:
+        """The body as ``schema``, and whether it is large (see ``INLINE_BODY_BYTES``)."""
+        check_content_type(request)
+        raw = await read_body(request, self.max_request_bytes)
+        large = len(raw) > INLINE_BODY_BYTES
+        return await self.run_inputs(large, _validate, raw, schema), large
+
+    async def run_inputs(self, large: bool, fn: Callable, *args):
+        """``fn(*args)`` on the input threads for a large body, inline otherwise."""
+        if not large:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.input_pool, fn, *args)
+
     # ------------------------------------------------------------------ prompts
 
     def prompt_ids(self, prompt) -> list[int]:
-        tok = self.llm.tokenizer
+        inputs = self.llm.engine.inputs
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise APIError(400, f"prompt: one prompt per request, got a list of {len(prompt)}",
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            if tok is None:
-                raise APIError(400, "prompt: text needs a tokenizer; send token ids", param="prompt")
-            return tok(prompt).input_ids
-        vocab = self.llm.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                           param="prompt")
-        return list(prompt)
+            prompt = _as_400(inputs.encode, prompt, "prompt", param="prompt")
+        return self.check_prompt(prompt, "prompt")
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        tok = self.llm.tokenizer
         missing = self.llm.chat_template_missing()
         if missing:
             raise APIError(400, f"model {self.model_name!r} cannot format chat messages: "
                                 f"{missing}; use /v1/completions with a prompt",
                            param="messages")
         conv = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False).input_ids
+        return _as_400(self.llm.engine.inputs.chat, conv, "messages")
 
-    def check_length(self, ids: list[int], param: str) -> None:
-        limit = self.llm.max_model_len
-        if not ids:
-            raise APIError(400, f"{param}: the prompt is empty", param=param)
-        if len(ids) >= limit:
-            raise APIError(400, f"{param}: the prompt has {len(ids)} tokens; this model's context "
-                                f"is {limit} tokens and one more token must fit",
-                           param=param, code="context_length_exceeded")
+    def check_prompt(self, ids: list[int], param: str) -> list[int]:
+        try:
+            return self.llm.engine.check_prompt(ids, param)
+        except ValueError as exc:
+            code = "context_length_exceeded" if "context" in str(exc) else None
+            raise APIError(400, str(exc), param=param, code=code) from None
+
+    def prepare(self, body, chat: bool) -> tuple[list[int], SamplingParams]:
+        """Token ids and sampling parameters of a completion request, every input checked
+        (runs on an input thread for large bodies)."""
+        engine = self.llm.engine
+        ids = self.check_prompt(self.chat_ids(body), "messages") if chat \
+            else self.prompt_ids(body.prompt)
+        requested = body.requested_max_tokens()
+        room = engine.max_model_len - len(ids)
+        if not chat and body.defaulted_max_tokens():
+            requested = min(requested, room)  # OpenAI's default of 16, not asked for: fit it
+        max_tokens = _as_400(engine.max_new_tokens, len(ids), requested, param="max_tokens")
+        logprobs = body.requested_logprobs() if chat else body.logprobs
+        params = body.sampling_params(max_tokens, logprobs)
+        _as_400(engine.check_sampling_params, params, param="stop_token_ids")
+        return ids, params
+
+
+def _as_400(fn: Callable, *args, param: str | None = None):
+    """``fn(*args)``, its ValueError / TypeError answered as a 400 with its message."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError) as exc:
+        code = "context_length_exceeded" if "context" in str(exc) else None
+        raise APIError(400, str(exc), param=param, code=code) from None
+
+
+def _validate(raw: bytes, schema: type[Body]) -> Body:
+    try:
+        return schema.model_validate(parse_json(raw))
+    except ValidationError as exc:
+        message, param = validation_message(pick_error(exc.errors()))
+        if exc.error_count() > 1:
+            message += f" (and {exc.error_count() - 1} more problem(s))"
+        raise APIError(400, message, param=param) from None
 
 
 def _check_api_key(request: Request) -> None:
@@ -111,7 +170,8 @@ def _check_api_key(request: Request) -> None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
         raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                       type_="authentication_error", code="invalid_api_key")
+                       type_="authentication_error", code="invalid_api_key",
+                       headers=UNREAD_BODY if request.method == "POST" else None)
 
 
 # ---------------------------------------------------------------------- generation
@@ -129,6 +189,9 @@ async def _generate(state: ServeState, request: Request, kind: Kind, ids: list[i
     if stream:
         return StreamingResponse(_stream(state, kind, handle, include_usage),
                                  media_type="text/event-stream")
+    # Nothing is sent before the answer, so only the connection tells that the client has
+    # gone: abort then, before the engine's next step, instead of generating to the end.
+    watcher = asyncio.create_task(_abort_on_disconnect(request, loop, handle))
     try:
         texts, blocks, offset = [], [], 0
         while True:
@@ -145,7 +208,15 @@ async def _generate(state: ServeState, request: Request, kind: Kind, ids: list[i
                                                merge_logprobs(blocks, kind.chat),
                                                delta.num_prompt_tokens, delta.num_output_tokens))
     finally:
+        watcher.cancel()
         loop.release(handle)
+
+
+async def _abort_on_disconnect(request: Request, loop: EngineLoop, handle) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    loop.abort(handle)
 
 
 async def _stream(state: ServeState, kind: Kind, handle, include_usage: bool):
@@ -186,32 +257,30 @@ def _routes(state: ServeState) -> APIRouter:
                                             "max_model_len": state.llm.max_model_len}]}
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body, large = await state.parse(request, CompletionRequest)
         state.check_model(body.model)
         body.check_n()
         state.decoder_loop("/v1/completions")
-        ids = state.prompt_ids(body.prompt)
-        state.check_length(ids, "prompt")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        ids, params = await state.run_inputs(large, state.prepare, body, False)
         kind = Kind(False, f"cmpl-{uuid.uuid4().hex}", state.model_name)
         return await _generate(state, request, kind, ids, params, body.stream,
                                bool(body.stream_options and body.stream_options.include_usage))
 
     @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body, large = await state.parse(request, ChatCompletionRequest)
         state.check_model(body.model)
         body.check_n()
         state.decoder_loop("/v1/chat/completions")
-        ids = state.chat_ids(body)
-        state.check_length(ids, "messages")
-        max_tokens = body.requested_max_tokens() or state.llm.max_model_len - len(ids)
-        params = body.sampling_params(max_tokens, body.requested_logprobs())
+        ids, params = await state.run_inputs(large, state.prepare, body, True)
         kind = Kind(True, f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
         return await _generate(state, request, kind, ids, params, body.stream,
                                bool(body.stream_options and body.stream_options.include_usage))
 
     @v1.post("/embeddings")
-    async def embeddings(body: EmbeddingRequest):
+    async def embeddings(request: Request):
+        body, _ = await state.parse(request, EmbeddingRequest)
         state.check_model(body.model)
         return await _embed(state, body)
 
@@ -228,10 +297,10 @@ async def _embed(state: ServeState, body: EmbeddingRequest) -> dict:
         inputs = [inputs]
     if not inputs:
         raise APIError(400, "input: expected at least one text, got an empty list", param="input")
-    try:
-        seqs = [embedder.token_ids(x) for x in inputs]
-    except ValueError as exc:
-        raise APIError(400, f"input: {exc}", param="input") from exc
+    def token_ids():
+        return _as_400(lambda: [embedder.token_ids(x) for x in inputs], param="input")
+
+    seqs = await state.run_inputs(True, token_ids)
     vectors = await asyncio.get_running_loop().run_in_executor(state.embed_pool, embedder.embed, seqs)
     data = []
     for i, v in enumerate(vectors):
@@ -265,11 +334,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = None,
               max_queued_requests: int | None = None,
-              torch_thread: ThreadPoolExecutor | None = None) -> FastAPI:
+              torch_thread: ThreadPoolExecutor | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The server's app; its lifespan starts and stops the engine thread. ``torch_thread``:
     the thread that loaded ``llm`` (``engine_loop.new_torch_thread``), to run it there."""
     state = ServeState(llm, model_name or llm.args.model, api_key, max_queued_requests,
-                       torch_thread)
+                       torch_thread, max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -282,6 +352,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
                 state.loop.stop()
             if state.embed_pool is not None:
                 state.embed_pool.shutdown(wait=False)
+            state.input_pool.shutdown(wait=False)
 
     app = FastAPI(title="pagedattn", lifespan=lifespan)
     app.state.serve = state

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
 
 from pagedattn.engine.cli import add_engine_arguments, describe_engine, engine_args
+
+# The request body limit's default (--max-request-bytes): 8 MiB, far above a context's
+# worth of text or token ids (SmolLM2's 8,192 tokens are ~60 KB as ids), and small enough
+# that reading, parsing and checking one body takes well under a second. Defined here,
+# where the serve extra is not needed yet.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 # A server's clients wait on their first token, and they arrive in bursts: admit the
 # shortest prompts first, in steps of 512 tokens, so a burst's median first token waits
@@ -31,6 +38,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="answer 503 + Retry-After while this many requests wait (default: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="answer 413 to a request body larger than this, before reading it "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests that bring no seed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -45,6 +55,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -68,24 +80,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     torch_thread = new_torch_thread()  # loads the model and then runs it
     llm = torch_thread.submit(LLM, **vars(engine_args(args, seed=args.seed))).result()
     name = args.served_model_name or args.model
-    app = build_app(llm, name, args.api_key, args.max_queued_requests, torch_thread)
+    app = build_app(llm, name, args.api_key, args.max_queued_requests, torch_thread,
+                    args.max_request_bytes)
     print(f"pagedattn serve: http://{args.host}:{args.port}/v1 serving {name!r}", flush=True)
     print(f"  {describe_engine(llm)}", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
-    _graceful_server(uvicorn)(config).run()
+    graceful_server(uvicorn, app.state.serve)(config).run()
     return 0
 
 
-def _graceful_server(uvicorn):
+def abort_delay(grace: float) -> float:
+    """Seconds into a shutdown of ``grace`` seconds at which requests still running are
+    aborted: late enough to let them finish, early enough (up to a second, half the grace
+    at most) for the engine to end its step and every stream to send its last event
+    before uvicorn cancels the handlers."""
+    return max(0.0, grace - min(1.0, grace / 2))
+
+
+def graceful_server(uvicorn, state):
+    """A uvicorn server class that shuts ``state``'s engine loop down cleanly."""
+
     class GracefulServer(uvicorn.Server):
         """uvicorn re-raises a captured SIGTERM once its graceful shutdown is done, so
         the process would die of the signal (status -15); a shutdown that finished or
-        aborted its requests within --shutdown-timeout is a clean exit (0) here."""
+        aborted its requests within --shutdown-timeout is a clean exit (0) here.
+
+        At the end of its grace period uvicorn cancels the handlers still running, and a
+        stream cancelled there ends without a finish reason. So the engine aborts what is
+        left shortly before (``abort_delay``): each stream then ends with
+        ``finish_reason="abort"`` and ``[DONE]``, each whole answer with its partial text."""
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM and sig in self._captured_signals:
                 self._captured_signals.remove(sig)
+
+        async def shutdown(self, sockets=None) -> None:
+            if state.loop is not None:
+                delay = abort_delay(self.config.timeout_graceful_shutdown or 0.0)
+                asyncio.get_running_loop().call_later(delay, state.loop.abort_all)
+            await super().shutdown(sockets)
 
     return GracefulServer

@@ -6,8 +6,10 @@ command in a thread-safe inbox and returns a :class:`RequestStream`) and read
 engine thread drains the inbox between steps (so a request that arrives mid-step joins
 the next one), runs ``step()`` while anything is unfinished, turns each sampled request
 into a delta (new text, tokens, logprobs, finish reason) and hands a step's deltas to the
-asyncio loop in one ``call_soon_threadsafe``. A failure while handling one request fails
-that request alone; the loop goes on.
+asyncio loop in one ``call_soon_threadsafe``. A failure while handling one request (its
+sampling, stop strings or text) fails that request alone with an error delta; the loop
+goes on. An aborted request's stream gets a last delta with ``finish_reason="abort"``.
+The metrics' gauges are refreshed after every step and every batch of commands.
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ class _Add:
     tracked: _Tracked
 
 
+@dataclass(frozen=True)
+class _AbortAll:
+    """Abort every request (the server's grace period is ending)."""
+
+
 class EngineLoop:
     """Owns ``engine`` in a background thread; see the module docstring."""
 
@@ -145,11 +152,25 @@ class EngineLoop:
         if not stream.finished:
             self._inbox.put(stream.req_id)
 
+    def abort(self, stream: RequestStream) -> None:
+        """Abort the request before the next step; its stream then gets a last delta
+        with ``finish_reason="abort"``."""
+        if not stream.finished:
+            self._inbox.put(stream.req_id)
+
+    def abort_all(self) -> None:
+        """Abort every request before the next step, each stream ending with
+        ``finish_reason="abort"`` (a shutdown whose grace period is running out)."""
+        self._inbox.put(_AbortAll())
+
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._drain(block=not self.engine.has_unfinished())
+            try:
+                self._drain(block=not self.engine.has_unfinished())
+            except Exception:  # noqa: BLE001 - the engine thread must outlive any command
+                log.exception("handling the engine loop's commands failed")
             if self.engine.has_unfinished() and not self._stopping.is_set():
                 self._step()
         for req_id in list(self._tracked):
@@ -165,11 +186,20 @@ class EngineLoop:
                 self._add(cmd)
             elif isinstance(cmd, str):
                 self._abort(cmd)
+            elif isinstance(cmd, _AbortAll):
+                for req_id in list(self._tracked):
+                    self._abort(req_id)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        self.num_running = len(self.engine.scheduler.running)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        load = self.engine.load()
+        self.num_running = load.num_running
+        if self.metrics is not None:
+            self.metrics.refresh(load)
 
     def _add(self, cmd: _Add) -> None:
         self._tracked[cmd.req_id] = cmd.tracked
@@ -180,8 +210,19 @@ class EngineLoop:
 
     def _abort(self, req_id: str) -> None:
         tracked = self._tracked.pop(req_id, None)
-        if self.engine.abort(req_id) and self.metrics is not None and tracked is not None:
+        aborted = self.engine.abort(req_id)
+        if tracked is None:
+            return
+        if self.metrics is not None and aborted:
             self.metrics.finished(FinishReason.ABORT.value, time.perf_counter() - tracked.arrival)
+        try:
+            text = tracked.text.flush() if tracked.text is not None else ""
+        except Exception:  # noqa: BLE001 - the abort must reach the stream regardless
+            log.exception("request %s: decoding its last text failed", req_id)
+            text = ""
+        _post(tracked.aloop, [(tracked.stream, Delta(
+            text, finish_reason=FinishReason.ABORT.value,
+            num_prompt_tokens=tracked.num_prompt_tokens, num_output_tokens=tracked.sent_tokens))])
 
     def _fail(self, req_id: str, message: str, status: int) -> None:
         tracked = self._tracked.pop(req_id, None)
@@ -197,10 +238,15 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - one step's failure must not end the loop
             # The step cannot say which request broke it: fail the ones it ran.
             log.exception("engine step failed")
-            for req in list(self.engine.scheduler.running):
-                self._fail(req.req_id, f"internal error in the engine step: {exc}", 500)
+            for req_id in self.engine.running_request_ids():
+                self._fail(req_id, f"internal error in the engine step: {exc}", 500)
+            self._refresh()
             return
         now = time.perf_counter()
+        for req in result.failed:
+            log.error("request %s failed: %s", req.req_id, req.error)
+            self._fail(req.req_id, f"internal error while processing the request: {req.error}",
+                       500)
         out: dict[asyncio.AbstractEventLoop, list] = {}
         for req in result.sampled:
             tracked = self._tracked.get(req.req_id)
@@ -218,9 +264,7 @@ class EngineLoop:
                 self._log_finished(req, tracked, now)
         for aloop, items in out.items():
             _post(aloop, items)
-        self.num_running = len(self.engine.scheduler.running)
-        if self.metrics is not None:
-            self.metrics.after_step(self.engine)
+        self._refresh()
 
     def _process(self, req: Request, tracked: _Tracked, now: float) -> Delta:
         """The delta of ``req`` since the last one: its new tokens, and the new text

@@ -41,17 +41,18 @@ class ServeMetrics:
         self._requests.labels(model_name=self._model, finish_reason=reason).inc()
         self.e2e.observe(e2e)
 
-    def after_step(self, engine) -> None:
-        """Refresh the gauges from the engine (called by the engine thread)."""
-        sched, pool = engine.scheduler, engine.kv.pool
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_used.set(pool.num_blocks - pool.num_free_blocks)
-        self.kv_total.set(pool.num_blocks)
-        self.hit_rate.set(pool.num_hits / pool.num_queries if pool.num_queries else 0.0)
-        if sched.num_preemptions > self._seen_preemptions:
-            self.preemptions.inc(sched.num_preemptions - self._seen_preemptions)
-            self._seen_preemptions = sched.num_preemptions
+    def refresh(self, load) -> None:
+        """Set the gauges from ``load`` (``LLMEngine.load()``, taken by the engine thread
+        after a step or after it added or aborted requests)."""
+        self.running.set(load.num_running)
+        self.waiting.set(load.num_waiting)
+        self.kv_used.set(load.kv_blocks_used)
+        self.kv_total.set(load.kv_blocks_total)
+        queries = load.prefix_cache_queries
+        self.hit_rate.set(load.prefix_cache_hits / queries if queries else 0.0)
+        if load.num_preemptions > self._seen_preemptions:
+            self.preemptions.inc(load.num_preemptions - self._seen_preemptions)
+            self._seen_preemptions = load.num_preemptions
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,9 +8,10 @@ schemas take vLLM's sampling extensions (``top_k``, ``min_tokens``, ``ignore_eos
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from pagedattn.engine.sampling_params import SamplingParams
 
@@ -38,9 +39,29 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# The names pydantic puts in an error's location for the member of a union it tried.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|(list|dict|tuple)\[.*\])$")
+
+
+def pick_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The most telling of pydantic's errors. For a value that matches no member of a
+    union, pydantic reports every member's errors: take the member that came closest
+    (fewest errors), and in it the error deepest inside the value, which names the bad
+    element (``prompt: [1, true]`` -> ``prompt.1 ... got True``)."""
+    def branch(err: dict[str, Any]) -> tuple:
+        loc = tuple(str(p) for p in err.get("loc", ()))
+        tags = [i for i, p in enumerate(loc) if _UNION_TAG.match(p)]
+        return loc[:tags[0] + 1] if tags else loc
+
+    sizes: dict[tuple, int] = {}
+    for err in errors:
+        sizes[branch(err)] = sizes.get(branch(err), 0) + 1
+    return min(errors, key=lambda e: (sizes[branch(e)], -len(e.get("loc", ()))))
+
+
 def validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
     """``(message, param)`` of one pydantic error, naming the field and the value."""
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p))]
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {err.get('msg')}", None
@@ -52,37 +73,41 @@ def validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON's true is not the integer 1 nor the number 1.0, and "3" is not 3
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=-1, ge=-1)
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's sampling extensions
-    ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0)
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
 
     def check_n(self) -> None:
         if self.n != 1:
             raise APIError(400, f"n: only n=1 is supported, got {self.n}", param="n")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
@@ -96,10 +121,22 @@ class _Sampling(_Strict):
             raise APIError(400, str(exc)) from exc
 
 
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions`` when the field is absent."""
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int], list[str]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: Union[str, list[StrictInt], list[str]]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+
+    def requested_max_tokens(self) -> int | None:
+        # absent: OpenAI's 16 (cut to what the context leaves); null: up to the context
+        if "max_tokens" not in self.model_fields_set:
+            return DEFAULT_COMPLETION_MAX_TOKENS
+        return self.max_tokens
+
+    def defaulted_max_tokens(self) -> bool:
+        return "max_tokens" not in self.model_fields_set
 
 
 class ChatMessage(_Strict):
@@ -121,9 +158,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -137,6 +174,6 @@ class ChatCompletionRequest(_Sampling):
 
 class EmbeddingRequest(_Strict):
     model: str
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     encoding_format: Literal["float", "base64"] = "float"  # the openai client asks for base64
     user: str | None = None
