@@ -300,7 +300,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
     t.start()
     latencies = _health_latencies(server.url, t)
     t.join(60)
-    _error(result["r"], 400, "tokens", "context")
+    assert _error(result["r"], 400, "tokens", "context")["code"] == "context_length_exceeded"
     assert sorted(latencies)[len(latencies) // 2] < 0.1, latencies
     assert max(latencies) < 0.5, latencies
     server.check_whole()
@@ -309,7 +309,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
 def test_a_text_too_long_for_any_tokenization_is_refused_untokenized(server):
     t0 = time.perf_counter()
     r = server.post("/v1/completions", {"model": "smollm2", "prompt": "x" * (7 * 2**20)})
-    _error(r, 400, "characters", "context")
+    assert _error(r, 400, "characters", "context")["code"] == "context_length_exceeded"
     assert time.perf_counter() - t0 < 2.0
     server.check_whole()
 

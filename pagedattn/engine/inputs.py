@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pagedattn.checks import is_int
+from pagedattn.engine.scheduler import ContextLengthError
 
 # A text this many times longer (in characters) than its token budget times the longest
 # token's length cannot fit: it is refused before the tokenizer spends seconds on it.
@@ -80,7 +81,7 @@ class PromptInputs:
 
     def _check_length(self, n_chars: int, what: str) -> None:
         if n_chars > self.max_chars():
-            raise ValueError(f"{what}: the text has {n_chars} characters, more than a context "
+            raise ContextLengthError(f"{what}: the text has {n_chars} characters, more than a context "
                              f"of {self.max_tokens} tokens can hold")
 
     def encode(self, text: Any, what: str = "prompt") -> list[int]:

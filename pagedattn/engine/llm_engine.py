@@ -20,7 +20,7 @@ from pagedattn.engine.loading import LoadedModel
 from pagedattn.engine.model_runner import ModelRunner
 from pagedattn.engine.request import FinishReason, Request
 from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.engine.scheduler import RequestRejectedError, Scheduler
+from pagedattn.engine.scheduler import ContextLengthError, RequestRejectedError, Scheduler
 from pagedattn.models.loader import describe_model
 
 
@@ -122,12 +122,12 @@ class LLMEngine:
 
     def check_prompt(self, prompt_token_ids: list[int], what: str = "prompt") -> list[int]:
         """The prompt's ids if every one is in the vocabulary and one more token fits in
-        the context; else ValueError (``RequestRejectedError`` for the length) naming it."""
+        the context; else ValueError (``ContextLengthError`` for the length) naming it."""
         ids = check_token_ids(prompt_token_ids, self.model_config.vocab_size, what)
         if not ids:
             raise RequestRejectedError(f"{what}: the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise RequestRejectedError(
+            raise ContextLengthError(
                 f"{what}: the prompt has {len(ids)} tokens; this model's context is "
                 f"{self.max_model_len} tokens and one more token must fit")
         return ids
@@ -140,7 +140,7 @@ class LLMEngine:
         if requested is None:
             return room
         if requested > room:
-            raise RequestRejectedError(
+            raise ContextLengthError(
                 f"max_tokens: {requested} new tokens do not fit: this model's context is "
                 f"{self.max_model_len} tokens and the prompt has {num_prompt_tokens}, "
                 f"leaving {room}")

@@ -38,6 +38,10 @@ class RequestRejectedError(ValueError):
     """A request that can never be served (too long for the model or the pool)."""
 
 
+class ContextLengthError(RequestRejectedError):
+    """A request whose prompt, or prompt and ``max_tokens``, do not fit in the context."""
+
+
 @dataclass
 class SchedulerOutput:
     """One step's plan: tokens to compute per request, in the order scheduled."""
@@ -83,7 +87,7 @@ class Scheduler:
         if n == 0:
             raise RequestRejectedError(f"request {req.req_id!r}: the prompt is empty")
         if n >= self.max_model_len:
-            raise RequestRejectedError(
+            raise ContextLengthError(
                 f"request {req.req_id!r}: the prompt has {n} tokens, the model's context "
                 f"(max_model_len) is {self.max_model_len} and one more token must fit")
         self.requests[req.req_id] = req

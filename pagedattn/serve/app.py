@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedattn.engine.llm import LLM
 from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.engine.scheduler import ContextLengthError
 from pagedattn.serve.body import (
     DEFAULT_MAX_REQUEST_BYTES,
     UNREAD_BODY,
@@ -121,11 +122,7 @@ class ServeState:
         return _as_400(self.llm.engine.inputs.chat, conv, "messages")
 
     def check_prompt(self, ids: list[int], param: str) -> list[int]:
-        try:
-            return self.llm.engine.check_prompt(ids, param)
-        except ValueError as exc:
-            code = "context_length_exceeded" if "context" in str(exc) else None
-            raise APIError(400, str(exc), param=param, code=code) from None
+        return _as_400(self.llm.engine.check_prompt, ids, param, param=param)
 
     def prepare(self, body, chat: bool) -> tuple[list[int], SamplingParams]:
         """Token ids and sampling parameters of a completion request, every input checked
@@ -149,7 +146,7 @@ def _as_400(fn: Callable, *args, param: str | None = None):
     try:
         return fn(*args)
     except (TypeError, ValueError) as exc:
-        code = "context_length_exceeded" if "context" in str(exc) else None
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
         raise APIError(400, str(exc), param=param, code=code) from None
 
 

@@ -90,12 +90,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def abort_delay(grace: float) -> float:
-    """Seconds into a shutdown of ``grace`` seconds at which requests still running are
-    aborted: late enough to let them finish, early enough (up to a second, half the grace
-    at most) for the engine to end its step and every stream to send its last event
-    before uvicorn cancels the handlers."""
-    return max(0.0, grace - min(1.0, grace / 2))
+ABORT_FLUSH_S = 2.0
+"""Seconds a shutdown waits, after aborting what is still running at the end of
+--shutdown-timeout, for the engine to end its step and every handler to send its last
+event, before uvicorn cancels the handlers."""
 
 
 def graceful_server(uvicorn, state):
@@ -107,9 +105,10 @@ def graceful_server(uvicorn, state):
         aborted its requests within --shutdown-timeout is a clean exit (0) here.
 
         At the end of its grace period uvicorn cancels the handlers still running, and a
-        stream cancelled there ends without a finish reason. So the engine aborts what is
-        left shortly before (``abort_delay``): each stream then ends with
-        ``finish_reason="abort"`` and ``[DONE]``, each whole answer with its partial text."""
+        stream cancelled there ends without a finish reason. So when --shutdown-timeout
+        ends the engine aborts what is left, and uvicorn's own deadline comes
+        ``ABORT_FLUSH_S`` later: each stream then ends with ``finish_reason="abort"`` and
+        ``[DONE]``, each whole answer with its partial text."""
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
@@ -118,8 +117,9 @@ def graceful_server(uvicorn, state):
 
         async def shutdown(self, sockets=None) -> None:
             if state.loop is not None:
-                delay = abort_delay(self.config.timeout_graceful_shutdown or 0.0)
-                asyncio.get_running_loop().call_later(delay, state.loop.abort_all)
+                grace = self.config.timeout_graceful_shutdown or 0.0
+                asyncio.get_running_loop().call_later(grace, state.loop.abort_all)
+                self.config.timeout_graceful_shutdown = grace + ABORT_FLUSH_S
             await super().shutdown(sockets)
 
     return GracefulServer
