@@ -15,7 +15,8 @@ nvidia-smi -L
 "$PY" -c "from pagedattn.backends.xformers import xformers_problems as p; print('xformers paged decode:', p() or 'runs')" 2>&1 | tail -1
 status=0
 # -n: the kernels' specializations compile in parallel (one Triton JIT per worker).
-timeout "${TEST_TIMEOUT_S:-300}" "$PY" -m pytest -q -rs -p no:cacheprovider \
+# no:benchmark: pytest-benchmark (in some images) warns once per xdist worker.
+timeout "${TEST_TIMEOUT_S:-300}" "$PY" -m pytest -q -rs -p no:cacheprovider -p no:benchmark \
     -n "${TEST_WORKERS:-8}" tests/gpu_kernels --junitxml "$OUT/gpu_tests.xml" \
     2>&1 | tee "$OUT/gpu_tests.log" || status=1
 timeout "${BENCH_TIMEOUT_S:-240}" "$PY" benchmarks/bench_gpu_attention.py \
