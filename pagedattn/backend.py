@@ -17,7 +17,7 @@ Code written against vLLM's interface ports by changing imports: ``VllmConfig`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, get_args
 
@@ -123,6 +123,34 @@ T = TypeVar("T", bound=AttentionMetadata)
 M = TypeVar("M")
 
 
+@dataclass(frozen=True)
+class ModelAttention:
+    """What an engine tells a backend about a model when it loads it (see
+    :meth:`AttentionBackend.prepare_for_model`). ``prefill_attention`` and
+    ``batch_invariant`` are the engine's options, passed through as values."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    block_size: int
+    attn_type: str
+    sliding_window: int | None = None
+    prefill_attention: str = "auto"
+    batch_invariant: bool = False
+
+
+@dataclass(frozen=True)
+class ModelPreparation:
+    """A backend's answer to :meth:`AttentionBackend.prepare_for_model`: keyword arguments
+    for its metadata builder, and one line per choice made (printed by ``generate
+    --verbose``)."""
+
+    builder_kwargs: dict = field(default_factory=dict)
+    choices: tuple[str, ...] = ()
+
+
 class AttentionBackend(ABC):
     """Abstract class for attention backends: capabilities plus factory methods.
 
@@ -138,6 +166,17 @@ class AttentionBackend(ABC):
     """Cache dtypes this backend stores; plain strings and ``CacheDType`` members mix
     freely since ``CacheDType`` is a str enum (``"auto" == CacheDType.AUTO``). An empty
     list means any."""
+
+    @classmethod
+    def prepare_for_model(cls, model: ModelAttention) -> ModelPreparation:
+        """The engine's load-time hook: make the choices that depend on the model's
+        attention geometry once (measuring where a backend measures) and return what its
+        builder needs. The engine calls it for every backend, never naming one; the default
+        has nothing to choose. Backends that cannot honour ``batch_invariant`` raise
+        ValueError."""
+        if model.batch_invariant:
+            raise ValueError(f"the {cls.get_name()} backend has no batch-invariant mode")
+        return ModelPreparation()
 
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:

@@ -98,9 +98,12 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
                                            const at::Tensor& seq_lens, at::ScalarType dtype,
                                            const at::Tensor& query_start_loc, bool causal,
                                            int64_t sliding_window_size, int64_t isa,
-                                           bool enable_kv_split) {
+                                           bool enable_kv_split, bool batch_invariant) {
   const char* op = "cpu_attn_get_scheduler_metadata";
   const IsaHint hint = check_isa_hint(isa, op);
+  TORCH_CHECK_VALUE(!(batch_invariant && hint == IsaHint::kAmx), op,
+                    ": batch_invariant plans need a vector-kernel hint (vec, vec16, neon): the "
+                    "'amx' kernel's arithmetic for a row depends on its query tile");
   TORCH_CHECK_VALUE(num_reqs >= 0, op, ": num_reqs must be >= 0, got ", num_reqs);
   check_heads(num_heads, num_kv_heads);
   check_head_size(head_dim, op);
@@ -126,13 +129,21 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
 
   // Split the key range of single-tile (decode-like) requests only when there are too few
   // items to keep every thread busy. The window hint is not used, so results never depend
-  // on it (the op cuts the chunks from each call's visible range).
+  // on it (the op cuts the chunks from each call's visible range). A batch-invariant plan
+  // never splits keys (a split row's sums would depend on its batch-mates); it spreads
+  // decode-like requests over groups of kv heads instead, which leaves each row's
+  // arithmetic as it was (the generic kernel's rows are independent of their item).
   const int64_t target = 4 * threads;
   int64_t base_items = 0;  // counted up to target only (no overflow for huge batches)
   for (int64_t r = 0; r < num_reqs && base_items < target; ++r) {
     const int64_t q_len = qsl[r + 1] - qsl[r];  // decode-like requests: one item, all heads
     base_items += q_len <= tile ? 1 : std::min(target, num_kv_heads * ceil_div(q_len, tile));
   }
+  const int64_t decode_head_groups =
+      batch_invariant && base_items > 0 && base_items < target
+          ? std::min(num_kv_heads, ceil_div(target, base_items))
+          : 1;
+  const int64_t decode_heads_per_item = ceil_div(num_kv_heads, decode_head_groups);
   struct Job {
     int32_t f[kJobFields];
     int64_t cost;
@@ -145,31 +156,34 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t q_len = qsl[r + 1] - qsl[r], kv_len = sl[r];
     int64_t splits = 1;
-    if (enable_kv_split && q_len <= tile && base_items > 0 && base_items < target)
+    if (enable_kv_split && !batch_invariant && q_len <= tile && base_items > 0 &&
+        base_items < target)
       splits = std::min({ceil_div(target, base_items), kMaxSplits,
                          std::max<int64_t>(1, kv_len / kMinSplitKeys)});
     splits_of[r] = static_cast<int32_t>(splits);
     if (q_len == 0) continue;
-    // Decode-like requests (one query tile) get items spanning every kv head (WorkItem).
-    const int64_t heads_per_item = q_len <= tile ? num_kv_heads : 1;
+    // Decode-like requests (one query tile) get items spanning every kv head (WorkItem),
+    // or a group of them (batch-invariant plans of small batches).
+    const int64_t heads_per_item = q_len <= tile ? decode_heads_per_item : 1;
     any_grouped |= q_len <= tile;
     const auto i32 = [](int64_t v) { return static_cast<int32_t>(v); };
-    for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) {
+    for (int64_t h0 = 0; h0 < num_kv_heads; h0 += heads_per_item) {
+      const int64_t h = h0, item_heads = std::min(heads_per_item, num_kv_heads - h0);
       for (int64_t t = 0; t < q_len; t += tile) {
         const int64_t qe = std::min(q_len, t + tile);
-        const int64_t rows = (qe - t) * group * heads_per_item;
+        const int64_t rows = (qe - t) * group * item_heads;
         if (splits == 1) {
-          jobs.push_back({{i32(r), i32(h), i32(heads_per_item), i32(t), i32(qe), -1, 1, -1},
+          jobs.push_back({{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), -1, 1, -1},
                           rows * std::max<int64_t>(kv_len, 1)});
           continue;
         }
         // One merge per kv head: the partials were written by every thread, and per-head
         // merges spread those (mostly cross-core) reads over the threads too.
-        for (int64_t k = 0; k < heads_per_item; ++k)
+        for (int64_t k = 0; k < item_heads; ++k)
           merges.push_back({i32(r), i32(h + k), i32(t), i32(qe), i32(num_slots), i32(splits),
                             i32(k * (qe - t) * group), 0});
         for (int64_t s = 0; s < splits; ++s)
-          jobs.push_back({{i32(r), i32(h), i32(heads_per_item), i32(t), i32(qe), i32(s),
+          jobs.push_back({{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), i32(s),
                            i32(splits), i32(num_slots + s)},
                           rows * ceil_div(kv_len, splits)});
         num_slots += splits;
@@ -205,6 +219,7 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
   md[kMetaNumSlots] = static_cast<int32_t>(num_slots);
   md[kMetaSlotRows] = static_cast<int32_t>(slot_rows);
   md[kMetaMaxRows] = static_cast<int32_t>(tile * group * (any_grouped ? num_kv_heads : 1));
+  md[kMetaBatchInvariant] = batch_invariant ? 1 : 0;
   for (int64_t r = 0; r < num_reqs; ++r)
     md[kMetaHeaderSize + r * kMetaFieldsPerReq + kReqNumKvSplits] = splits_of[r];
   int32_t* out = md + jobs_at;
@@ -251,6 +266,7 @@ struct CheckedPlan {
   const int32_t* merges;
   int64_t num_jobs, num_merges, num_slots, slot_rows, max_rows, tile;
   IsaHint hint;
+  bool batch_invariant;
 };
 
 CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_heads,
@@ -283,6 +299,7 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
   plan.num_slots = md[kMetaNumSlots];
   plan.slot_rows = md[kMetaSlotRows];
   plan.max_rows = md[kMetaMaxRows];
+  plan.batch_invariant = md[kMetaBatchInvariant] != 0;
   const int64_t jobs_at = kMetaHeaderSize + kMetaFieldsPerReq * num_reqs;
   const int64_t want = jobs_at + kJobFields * std::max<int64_t>(plan.num_jobs, 0) +
                        kMergeFields * std::max<int64_t>(plan.num_merges, 0);
@@ -596,6 +613,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
                              scale, causal, alibi_f, sliding_window_left, sliding_window_right,
                              softcap, sink_f, k_scale, v_scale);
   if (plan.hint == IsaHint::kAmx) p.matrix = matrix_engine();
+  p.row_invariant = plan.batch_invariant;
   check_block_ids(p, c, block_table.size(1));
   if (c.num_tokens == 0 || plan.num_jobs == 0) return;
   execute_plan(p, plan, c.head_size);
@@ -607,7 +625,8 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def(
       "cpu_attn_get_scheduler_metadata(int num_reqs, int num_heads, int num_kv_heads, "
       "int head_dim, Tensor seq_lens, ScalarType dtype, Tensor query_start_loc, bool causal, "
-      "int sliding_window_size, int isa, bool enable_kv_split) -> Tensor");
+      "int sliding_window_size, int isa, bool enable_kv_split, bool batch_invariant=False) "
+      "-> Tensor");
   m.def(
       "cpu_attention_with_kv_cache(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor(a!) output, Tensor query_start_loc, Tensor seq_lens, float scale, bool causal, "

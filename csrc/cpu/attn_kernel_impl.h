@@ -350,7 +350,7 @@ struct AttnKernel {
     const int R = NH * Rh;
     const int lds = (BS + 2 * W + 15) / 16 * 16;
     if constexpr (std::is_same<T, C>::value)  // the lanes kernels read T caches only
-      if (PrefillItem<VO, T>::run(p, it, scratch)) return;
+      if (!p.row_invariant && PrefillItem<VO, T>::run(p, it, scratch)) return;
 
     using QElem = typename QkT::QElem;
     float* acc = scratch;                                   // [R, D]

@@ -80,16 +80,17 @@ enum MetaHeaderField : int64_t {
   kMetaNumSlots = 13,
   kMetaSlotRows = 14,
   kMetaMaxRows = 15,
-  kMetaChecksum = 16,
+  kMetaBatchInvariant = 16,
+  kMetaChecksum = 17,
 };
-constexpr int64_t kMetaHeaderSize = 17;
+constexpr int64_t kMetaHeaderSize = 18;
 enum MetaReqField : int64_t {
   kReqNumKvSplits = 0,
   kReqReserved = 1,
 };
 constexpr int64_t kMetaFieldsPerReq = 2;
 constexpr int32_t kMetaMagicValue = 0x50414d44;
-constexpr int32_t kMetaVersionValue = 2;
+constexpr int32_t kMetaVersionValue = 3;
 
 // One kernel table per ISA translation unit (defined in kernels_<isa>.cpp).
 struct KernelTable;

@@ -51,6 +51,10 @@ struct AttnParams {
   bool causal;
   // Set: prefill items of at least kMatrixMinRows rows of one kv head run on it.
   const MatrixEngine* matrix = nullptr;
+  // Set (a batch-invariant plan): every item takes the generic path, whose arithmetic for
+  // a row does not depend on the item's other rows, so a row's result is the same in any
+  // batch, chunking or thread count (the lanes and matrix prefill paths are tile-shaped).
+  bool row_invariant = false;
 };
 
 // One unit of parallel work: query tokens [q_begin, q_end) (offsets inside the request)

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.backend import (
+    ModelAttention,
+    ModelPreparation,
     AttentionBackend,
     AttentionCGSupport,
     AttentionImpl,
@@ -69,6 +71,21 @@ class CPUAttentionBackend(AttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "CPU_ATTN"
+
+    @classmethod
+    def prepare_for_model(cls, model: ModelAttention) -> ModelPreparation:
+        """Batch-invariant engines get batch-invariant plans (the builder's
+        ``batch_invariant``). Otherwise decoders' long prefills may go to torch's flash
+        attention, from the query length measured here to make it faster
+        (:func:`cpu_sdpa_prefill.choose_min_query_len`)."""
+        if model.batch_invariant:
+            return ModelPreparation(
+                {"batch_invariant": True},
+                ("attention batch-invariant: vector kernels, no key splits, no flash prefill",))
+        if AttentionType.parse(model.attn_type) != AttentionType.DECODER:
+            return ModelPreparation()
+        min_len, line = cpu_sdpa_prefill.choose_min_query_len(model)
+        return ModelPreparation({"sdpa_prefill_min_query_len": min_len}, (line,))
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -173,8 +190,15 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         device: torch.device,
         use_sdpa_prefill: bool = False,
         sdpa_prefill_min_query_len: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        if batch_invariant and (use_sdpa_prefill or sdpa_prefill_min_query_len is not None):
+            raise ValueError("batch_invariant=True runs every prefill on the kernel; "
+                             "use_sdpa_prefill and sdpa_prefill_min_query_len must be unset")
+        self.batch_invariant = batch_invariant
         if sdpa_prefill_min_query_len is not None:
             require_int("sdpa_prefill_min_query_len", sdpa_prefill_min_query_len, 2)
         elif use_sdpa_prefill:
@@ -199,8 +223,11 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             )
         self.plan_geometry = cpu_runtime.PlanGeometry(self.num_heads, self.num_kv_heads,
                                                       self.head_dim, self.dtype, self.window_size)
-        self.isa = cpu_runtime.prefill_variant(self.plan_geometry, self.block_size,
-                                               kv_cache_spec.dtype)
+        # A batch-invariant plan needs the vector kernels: the matrix-engine kernel's
+        # arithmetic for a row depends on its query tile.
+        self.isa = (cpu_runtime.kernel_variant(self.block_size, self.dtype) if batch_invariant
+                    else cpu_runtime.prefill_variant(self.plan_geometry, self.block_size,
+                                                     kv_cache_spec.dtype))
         if self.window_size != -1 or kv_cache_spec.dtype.itemsize == 1:
             self.sdpa_prefill_min_query_len = None  # the flash path has no window or fp8
 
@@ -225,7 +252,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
                 query_start_loc, seq_lens, block_table)
 
         scheduler_metadata = cpu_runtime.plan_step(self.plan_geometry, self.isa, query_start_loc,
-                                                   seq_lens, causal)
+                                                   seq_lens, causal, self.batch_invariant)
         sdpa = None
         if self.sdpa_prefill_min_query_len is not None and causal and not self.is_cross_attention:
             sdpa = cpu_sdpa_prefill.split_step(

@@ -145,13 +145,16 @@ class PlanGeometry:
 
 
 def plan_step(geometry: PlanGeometry, variant: IsaHint, query_start_loc: torch.Tensor,
-              seq_lens: torch.Tensor, causal: bool) -> torch.Tensor:
-    """The step's work partition (KV splits on), computed once and read by every layer."""
+              seq_lens: torch.Tensor, causal: bool, batch_invariant: bool = False) -> torch.Tensor:
+    """The step's work partition (KV splits on, unless ``batch_invariant``: then every
+    row's result is independent of its batch-mates, chunking and thread count), computed
+    once and read by every layer."""
     return ops.cpu_attn_get_scheduler_metadata(
         num_reqs=seq_lens.numel(), num_heads=geometry.num_heads,
         num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, seq_lens=seq_lens,
         dtype=geometry.dtype, query_start_loc=query_start_loc, causal=causal,
-        sliding_window_size=geometry.window_size, isa=variant, enable_kv_split=True)
+        sliding_window_size=geometry.window_size, isa=variant, enable_kv_split=True,
+        batch_invariant=batch_invariant)
 
 
 def split_queries_longer_than_keys(

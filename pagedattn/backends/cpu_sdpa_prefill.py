@@ -133,6 +133,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context:
 QUERY_LENS = (64, 128, 256, 512, 1024, 2048)
 
 
+def choose_min_query_len(model) -> tuple[int | None, str]:
+    """The shortest prefill to run here for ``model`` (a
+    :class:`pagedattn.backend.ModelAttention`), per its ``prefill_attention`` option
+    (``"kernel"``: none; ``"flash"``: every prefill; ``"auto"``: measured by
+    :func:`measure_min_query_len`), and a line saying what was chosen and why."""
+    from pagedattn import ops
+
+    if model.prefill_attention == "kernel":
+        return None, "prefills on the kernel"
+    if model.prefill_attention == "flash":
+        return 2, "prefills on flash attention (forced)"
+    if not ops.native_available():
+        return None, "prefills on the kernel (no native extension to time)"
+    min_len, times = measure_min_query_len(model.num_heads, model.num_kv_heads,
+                                           model.head_size, model.dtype, model.block_size)
+    timed = ", ".join(f"{n}: {k * 1e3:.2f}/{f * 1e3:.2f} ms" for n, (k, f) in times.items())
+    chosen = "kernel only" if min_len is None else f"flash from {min_len} queries"
+    return min_len, f"prefill attention {chosen}; kernel/flash measured {timed}"
+
+
 def measure_min_query_len(num_heads: int, num_kv_heads: int, head_size: int,
                           dtype: torch.dtype, block_size: int,
                           budget_s: float = 1.5) -> tuple[int | None, dict[int, tuple[float, float]]]:

@@ -94,6 +94,14 @@ class EngineArgs:
             paged kernel on this machine and model (timed at load,
             :mod:`pagedattn.backends.cpu_sdpa_prefill`) run on it; ``"kernel"``: every
             request on the paged kernel; ``"flash"``: every prefill on flash attention.
+        batch_invariant: ``True``: a request's tokens (greedy, or sampled with its own
+            seed) do not depend on what else runs, how its prompt is chunked, prefix-cache
+            hits or the thread count. Attention plans never split a row's keys and run
+            every row on the vector kernels' generic path (no matrix-engine or flash
+            prefill), and every linear layer runs the packed kernel, whose rows are
+            independent of the row count. Its measured cost is in docs/engine.md.
+            Needs ``linear_impl`` ``"auto"`` or ``"packed"`` and a backend that offers it
+            (CPU_ATTN).
         backend: attention backend name (default: the registry's choice).
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV cache pool (int, or ``"512MiB"``).
@@ -117,6 +125,7 @@ class EngineArgs:
     linear_impl: str | None = None
     linear_dtype: str | torch.dtype | None = None
     prefill_attention: str = "auto"
+    batch_invariant: bool = False
     backend: str | None = None
     block_size: int = 16
     kv_cache_memory: int | str = "512MiB"
@@ -139,6 +148,15 @@ class EngineArgs:
                              f"({', '.join(reference.FP8_CACHE_DTYPES)}), got 'auto'")
         require_choice("prefill_attention", self.prefill_attention, PREFILL_ATTENTION)
         set_("linear_impl", _parse_linear_impl(self.linear_impl))
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.linear_impl == "torch":
+            raise ValueError("batch_invariant=True needs linear_impl 'auto' or 'packed' (the "
+                             "packed kernel's rows do not depend on the row count; torch's "
+                             "GEMMs' do), got linear_impl='torch'")
+        if self.batch_invariant and self.prefill_attention == "flash":
+            raise ValueError("batch_invariant=True runs every prefill on the paged kernel; "
+                             "prefill_attention must be 'auto' or 'kernel', got 'flash'")
         set_("linear_dtype", self._resolve_linear_dtype())
         set_("kv_cache_memory", parse_bytes(self.kv_cache_memory))
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedattn import registry
-from pagedattn.backend import AttentionType
+from pagedattn.backend import AttentionType, ModelAttention
 from pagedattn.config import BuilderConfig, CacheConfig, ModelConfig
 from pagedattn.engine.args import EngineArgs
 from pagedattn.kv_cache_spec import AttentionSpec, EncoderOnlyAttentionSpec
@@ -51,7 +51,7 @@ class AttentionStack:
     builder: object
     impls: list
     prefill_plan: str = ""
-    """Which prefills run on torch's flash attention, and why (CPU_ATTN decoders)."""
+    """The choices the backend made for this model, and why (its ``prepare_for_model``)."""
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         s = self.spec
@@ -75,35 +75,17 @@ def build_attention(args: EngineArgs, geo: AttentionGeometry, max_model_len: int
                                  max_model_len=max_model_len),
         cache_config=CacheConfig(block_size=args.block_size, cache_dtype=args.kv_cache_dtype))
     names = [f"layers.{i}.attn" for i in range(geo.num_layers)]
-    extra, prefill_plan = {}, ""
-    if backend_cls.get_name() == "CPU_ATTN" and geo.attn_type == AttentionType.DECODER:
-        min_len, prefill_plan = choose_flash_prefill(args, geo)
-        extra["sdpa_prefill_min_query_len"] = min_len
+    prepared = backend_cls.prepare_for_model(ModelAttention(
+        num_heads=geo.num_heads, num_kv_heads=geo.num_kv_heads, head_size=geo.head_dim,
+        dtype=args.dtype, cache_dtype=args.cache_dtype, block_size=args.block_size,
+        attn_type=geo.attn_type, sliding_window=geo.cache_window,
+        prefill_attention=args.prefill_attention, batch_invariant=args.batch_invariant))
     builder = backend_cls.get_builder_cls()(spec, names, builder_config, torch.device("cpu"),
-                                            **extra)
+                                            **prepared.builder_kwargs)
     scale = geo.head_dim ** -0.5 if geo.scale is None else geo.scale
     impls = [backend_cls.get_impl_cls()(geo.num_heads, geo.head_dim, scale, geo.num_kv_heads,
                                         None, geo.window(i), args.kv_cache_dtype,
                                         logits_soft_cap=geo.logits_soft_cap,
                                         attn_type=geo.attn_type)
              for i in range(geo.num_layers)]
-    return AttentionStack(backend_cls, spec, builder, impls, prefill_plan)
-
-
-def choose_flash_prefill(args: EngineArgs, geo: AttentionGeometry) -> tuple[int | None, str]:
-    """The shortest prefill CPU_ATTN sends to torch's flash attention (``None``: none),
-    per ``args.prefill_attention``, and a line saying so."""
-    from pagedattn import ops
-    from pagedattn.backends import cpu_sdpa_prefill
-
-    if args.prefill_attention == "kernel":
-        return None, "prefills on the kernel"
-    if args.prefill_attention == "flash":
-        return 2, "prefills on flash attention (forced)"
-    if not ops.native_available():
-        return None, "prefills on the kernel (no native extension to time)"
-    min_len, times = cpu_sdpa_prefill.measure_min_query_len(
-        geo.num_heads, geo.num_kv_heads, geo.head_dim, args.dtype, args.block_size)
-    timed = ", ".join(f"{n}: {k * 1e3:.2f}/{f * 1e3:.2f} ms" for n, (k, f) in times.items())
-    chosen = "kernel only" if min_len is None else f"flash from {min_len} queries"
-    return min_len, f"prefill attention {chosen}; kernel/flash measured {timed}"
+    return AttentionStack(backend_cls, spec, builder, impls, "; ".join(prepared.choices))

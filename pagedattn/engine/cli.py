@@ -35,6 +35,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
     g.add_argument("--prefill-attention", choices=PREFILL_ATTENTION, default="auto",
                    help="CPU_ATTN prefills: auto (long prefills on torch's flash attention "
                         "where it measures faster here), kernel, or flash")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens do not depend on its batch-mates, chunking or "
+                        "threads (greedy or seeded); costs some speed (docs/engine.md)")
     g.add_argument("--backend", default=None, help="attention backend (default: registry choice)")
     g.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     g.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory,
@@ -53,7 +56,9 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     """The :class:`EngineArgs` of parsed ``add_engine_arguments`` options."""
     fields = dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                   calculate_kv_scales=args.calculate_kv_scales, linear_impl=args.linear_impl,
-                  linear_dtype=args.linear_dtype, prefill_attention=args.prefill_attention, backend=args.backend, block_size=args.block_size,
+                  linear_dtype=args.linear_dtype, prefill_attention=args.prefill_attention,
+                  batch_invariant=args.batch_invariant, backend=args.backend,
+                  block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,

@@ -94,7 +94,10 @@ def load_model(args: EngineArgs) -> LoadedModel:
     if args.linear_impl == "packed":
         pack_linear_layers(net, args.dtype)
     elif args.linear_impl == "auto":
-        plan = install_linear_paths(net, args.dtype, act_dtype=act_dtype)
+        # batch-invariant: every row count on the packed kernel (its rows are independent
+        # of the row count; the other paths' GEMMs block by it)
+        plan = install_linear_paths(net, args.dtype, act_dtype=act_dtype,
+                                    force="packed" if args.batch_invariant else None)
     return LoadedModel(cfg, net, load_tokenizer(ckpt), attention, max_model_len, plan, act_dtype)
 
 

@@ -199,6 +199,7 @@ def cpu_attn_get_scheduler_metadata(
     sliding_window_size: int,
     isa: str | IsaHint,
     enable_kv_split: bool,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Plan the work partition of one step; reuse the result for every layer of the step.
 
@@ -213,6 +214,10 @@ def cpu_attn_get_scheduler_metadata(
             hint only: results never depend on it.
         isa: kernel-variant hint (``vec``, ``vec16``, ``neon``, ``amx``).
         enable_kv_split: allow splitting long key ranges over threads (decode).
+        batch_invariant: plan so that each query row's result is bitwise the same whatever
+            else is in the batch, however a prompt is chunked and at any thread count: no
+            key splits (small batches spread over groups of kv heads instead), and every
+            item on the vector kernels' generic path. Needs a vector hint, not ``amx``.
 
     Returns:
         Opaque int32 tensor: a header, per-request fields and the whole work partition of
@@ -222,6 +227,10 @@ def cpu_attn_get_scheduler_metadata(
         threads changed or it does not match the call's ``query_start_loc``/``seq_lens``.
     """
     hint = _parse_hint(isa)
+    if batch_invariant and hint is IsaHint.AMX:
+        raise ValueError("batch_invariant plans need a vector-kernel hint (vec, vec16, neon), "
+                         "got 'amx': the matrix-engine kernel's arithmetic for a row depends "
+                         "on its query tile")
     # A load-balancing hint: any window past int64 (left + 1 of an int64 left) is unbounded.
     if isinstance(sliding_window_size, int) and sliding_window_size > _INT64_MAX:
         sliding_window_size = _INT64_MAX
@@ -232,14 +241,15 @@ def cpu_attn_get_scheduler_metadata(
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       num_threads=torch.get_num_threads(), hint=hint.code, causal=int(causal),
                       enable_kv_split=int(enable_kv_split), q_tile_tokens=1, num_jobs=0,
-                      num_merges=0, num_slots=0, slot_rows=0, max_rows=1, checksum=0)
+                      num_merges=0, num_slots=0, slot_rows=0, max_rows=1,
+                      batch_invariant=int(batch_invariant), checksum=0)
         meta[: len(METADATA_HEADER)] = torch.tensor([header[k] for k in METADATA_HEADER])
         return meta
     return torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(
         _int64("num_reqs", num_reqs), _int64("num_heads", num_heads),
         _int64("num_kv_heads", num_kv_heads), _int64("head_dim", head_dim), seq_lens, dtype,
         query_start_loc, bool(causal), int(sliding_window_size), hint.code,
-        bool(enable_kv_split),
+        bool(enable_kv_split), bool(batch_invariant),
     )
 
 

@@ -38,11 +38,11 @@ ISA_HINTS: tuple[tuple[str, int], ...] = (("vec", 32), ("vec16", 16), ("neon", 1
 METADATA_HEADER: tuple[str, ...] = (
     "magic", "version", "num_reqs", "num_heads", "num_kv_heads", "head_dim", "num_threads",
     "hint", "causal", "enable_kv_split", "q_tile_tokens", "num_jobs", "num_merges",
-    "num_slots", "slot_rows", "max_rows", "checksum",
+    "num_slots", "slot_rows", "max_rows", "batch_invariant", "checksum",
 )
 METADATA_FIELDS_PER_REQ: tuple[str, ...] = ("num_kv_splits", "reserved")
 METADATA_MAGIC = 0x50414D44  # "PAMD"
-METADATA_VERSION = 2
+METADATA_VERSION = 3  # 3: batch_invariant
 
 
 def _parse(enum_cls, value):
