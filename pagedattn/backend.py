@@ -387,6 +387,12 @@ class AttentionBackend(ABC):
         """A block layout every layer must share, or ``None`` for no constraint."""
         return None
 
+    @staticmethod
+    def use_cascade_attention(*args: Any, **kwargs: Any) -> bool:
+        """Whether to split attention over a shared prefix (cascade attention); default
+        never."""
+        return False
+
 
 class AttentionLayer(Protocol):
     """What an ``AttentionImpl.forward`` may read from the layer that calls it.
@@ -517,6 +523,53 @@ class AttentionImpl(ABC, Generic[T]):
             ``[num_tokens, num_heads, head_size]`` (``output`` itself when given).
         """
         raise NotImplementedError
+
+    # Checks and settings most impls share in ``__init__`` and ``forward`` (each impl
+    # keeps vLLM's signature; these only save it writing the same lines again).
+
+    def _set_heads(self, num_heads: int, head_size: int, scale: float,
+                   num_kv_heads: int) -> None:
+        """Check that ``num_heads`` is a positive multiple of ``num_kv_heads``; set
+        ``num_heads``, ``head_size``, ``scale`` (a float), ``num_kv_heads`` and
+        ``num_queries_per_kv``."""
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+
+    @staticmethod
+    def _check_sliding_window(sliding_window: int | None) -> None:
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+
+    def _set_alibi_and_sinks(self, alibi_slopes: list[float] | None,
+                             sinks: torch.Tensor | None) -> None:
+        """Set ``alibi_slopes`` (fp32, one per head, or ``None``) and ``sinks`` (``[num_heads]``
+        or ``None``), checking their lengths against ``num_heads``."""
+        self.alibi_slopes = (torch.tensor(alibi_slopes, dtype=torch.float32)
+                             if alibi_slopes is not None else None)
+        if self.alibi_slopes is not None and self.alibi_slopes.numel() != self.num_heads:
+            raise ValueError(f"alibi_slopes must have num_heads={self.num_heads} entries, got "
+                             f"{self.alibi_slopes.numel()}")
+        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != self.num_heads):
+            raise ValueError(f"sinks must have shape [num_heads={self.num_heads}], got "
+                             f"{tuple(sinks.shape)}")
+        self.sinks = sinks
+
+    def _check_output_args(self, output: torch.Tensor | None, output_scale: Any,
+                           output_block_scale: Any, missing_output: str, impl_name: str) -> None:
+        """``forward``'s shared checks: an output buffer is given (else ``ValueError
+        (missing_output)``) and no fused output quantisation is asked for (which
+        ``impl_name`` does not support)."""
+        if output is None:
+            raise ValueError(missing_output)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                f"fused output quantization is not supported by {impl_name}")
 
     def fused_output_quant_supported(self, quant_key: Any) -> bool:
         """Whether forward can quantise its output as ``quant_key`` describes."""

@@ -120,10 +120,6 @@ class CPUAttentionBackend(AttentionBackend):
         """``[2, num_blocks, num_kv_heads, block_size, head_size]`` (K then V)."""
         return 2, num_blocks, num_kv_heads, block_size, head_size
 
-    @staticmethod
-    def use_cascade_attention(*args, **kwargs) -> bool:
-        return False
-
 
 @dataclass(frozen=True, eq=False)
 class CPUAttentionMetadata:
@@ -288,44 +284,23 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
-                f"({num_kv_heads})"
-            )
+        self._set_heads(num_heads, head_size, scale, num_kv_heads)
         if is_quantized_kv_cache(kv_cache_dtype) and str(kv_cache_dtype) not in FP8_CACHE_DTYPES:
             valid = ", ".join(repr(d) for d in CPUAttentionBackend.supported_kv_cache_dtypes)
             raise NotImplementedError(
                 f"kv_cache_dtype {kv_cache_dtype!r} is unsupported in CPU_ATTN; expected one of "
                 f"{valid}"
             )
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+        self._check_sliding_window(sliding_window)
         self.attn_type = AttentionType.parse(attn_type)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.num_queries_per_kv = num_heads // num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8_cache_dtype = cpu_runtime.fp8_cache_dtype(kv_cache_dtype)
         """``torch.float8_e4m3fn`` / ``float8_e5m2`` for an fp8 cache, else ``None``."""
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
-        self.alibi_slopes = (
-            torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
-        )
         self._alibi_key = None if alibi_slopes is None else tuple(float(a) for a in alibi_slopes)
-        if self.alibi_slopes is not None and self.alibi_slopes.numel() != num_heads:
-            raise ValueError(
-                f"alibi_slopes must have num_heads={num_heads} entries, got {self.alibi_slopes.numel()}"
-            )
         self.sliding_window = cpu_runtime.window_pair(sliding_window, self.attn_type)
-        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
-            raise ValueError(
-                f"sinks must have shape [num_heads={num_heads}], got {tuple(sinks.shape)}"
-            )
-        self.sinks = sinks
+        self._set_alibi_and_sinks(alibi_slopes, sinks)
         # Layers the flash prefill path computes exactly; the others run whole steps on
         # the kernel.
         self.flash_prefill = (self.attn_type == AttentionType.DECODER
@@ -356,12 +331,10 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         Returns:
             ``output``.
         """
-        if output is None:
-            raise ValueError("CPU_ATTN writes into a caller-provided output tensor; got output=None")
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                "fused output quantization is not supported by CPUAttentionBackendImpl"
-            )
+        self._check_output_args(
+            output, output_scale, output_block_scale,
+            "CPU_ATTN writes into a caller-provided output tensor; got output=None",
+            "CPUAttentionBackendImpl")
         if attn_metadata is None:  # warm-up / profiling run
             return output
         num_tokens = attn_metadata.num_actual_tokens

@@ -69,10 +69,6 @@ class TritonAttentionBackend(AttentionBackend):
     def supports_sink(cls) -> bool:
         return True
 
-    @staticmethod
-    def use_cascade_attention(*args, **kwargs) -> bool:
-        return False
-
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
                              has_sink, use_sparse, device_capability) -> str | None:
@@ -191,9 +187,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
+        self._set_heads(num_heads, head_size, scale, num_kv_heads)
         if head_size <= 0:
             raise ValueError(f"head_size must be positive, got {head_size}")
         self.attn_type = AttentionType.parse(attn_type)
@@ -206,29 +200,15 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             raise NotImplementedError(
                 f"kv_cache_dtype={kv_cache_dtype!r} is not supported by TRITON_ATTN; use one "
                 f"of {['auto', *triton_ops.FP8_CACHE_DTYPES]}")
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+        self._check_sliding_window(sliding_window)
         if logits_soft_cap is not None and logits_soft_cap < 0:
             raise ValueError(f"logits_soft_cap must be >= 0 or None, got {logits_soft_cap}")
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.num_queries_per_kv = num_heads // num_kv_heads
         self.kv_cache_dtype = str(CacheDType.parse(kv_cache_dtype).value)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
-        self.alibi_slopes = (torch.tensor(alibi_slopes, dtype=torch.float32)
-                             if alibi_slopes is not None else None)
-        if self.alibi_slopes is not None and self.alibi_slopes.numel() != num_heads:
-            raise ValueError(f"alibi_slopes must have num_heads={num_heads} entries, got "
-                             f"{self.alibi_slopes.numel()}")
         # A window of w tokens: the query and the w - 1 keys before it.
         self.sliding_window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
-            raise ValueError(f"sinks must have shape [num_heads={num_heads}], got "
-                             f"{tuple(sinks.shape)}")
-        self.sinks = sinks
+        self._set_alibi_and_sinks(alibi_slopes, sinks)
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -265,12 +245,10 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             attn_metadata: the step's plan; ``None`` in a profiling run (output untouched).
             output: ``[num_tokens, num_heads, head_size]``, written in place.
         """
-        if output is None:
-            raise ValueError("TRITON_ATTN writes into a caller-provided output tensor; got "
-                             "output=None")
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported by "
-                                      "TritonAttentionImpl")
+        self._check_output_args(
+            output, output_scale, output_block_scale,
+            "TRITON_ATTN writes into a caller-provided output tensor; got output=None",
+            "TritonAttentionImpl")
         if attn_metadata is None:  # profiling run
             return output
         key_cache, value_cache = self._cache_views(kv_cache)

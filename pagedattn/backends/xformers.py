@@ -189,10 +189,6 @@ class XFormersAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[XFormersAttentionMetadataBuilder]:
         return XFormersAttentionMetadataBuilder
 
-    @staticmethod
-    def use_cascade_attention(*args, **kwargs) -> bool:
-        return False
-
     @classmethod
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
                                has_sink, use_sparse, use_mm_prefix, device_capability,
@@ -347,19 +343,12 @@ class XFormersAttentionImpl(AttentionImpl[XFormersAttentionMetadata]):
             raise NotImplementedError("KV sharing is not supported in V0.")
         if alibi_slopes is not None:
             raise NotImplementedError("XFormers does not support alibi slopes yet.")
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
+        self._set_heads(num_heads, head_size, scale, num_kv_heads)
         if is_quantized_kv_cache(kv_cache_dtype):
             # xformers' decode kernel reads the cache as is: it cannot dequantize fp8.
             raise NotImplementedError(
                 f"kv_cache_dtype={kv_cache_dtype!r} is not supported by XFORMERS_VLLM_V1 "
                 "(its decode kernel cannot read an fp8 cache); use 'auto' or TRITON_ATTN")
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.num_queries_per_kv = self.num_heads // self.num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.alibi_slopes = None

@@ -21,6 +21,7 @@ from pagedattn.engine.model_runner import ModelRunner
 from pagedattn.engine.request import FinishReason, Request
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ContextLengthError, RequestRejectedError, Scheduler
+from pagedattn.engine.structured_output import Grammars, StructuredOutput
 from pagedattn.models.loader import describe_model
 
 
@@ -97,6 +98,8 @@ class LLMEngine:
         self.inputs = PromptInputs(self.tokenizer, cfg.vocab_size, self.max_model_len,
                                    describe_model(args.model))
         """Prompt text and chat messages to checked token ids (``engine/inputs.py``)."""
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_id)
+        """Structured output's compiled grammars, cached by key (``structured_output.py``)."""
         self.stats = StepStats()
         self._ids = itertools.count()
 
@@ -113,12 +116,24 @@ class LLMEngine:
         req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(req_id, list(prompt_token_ids), sampling_params,
                       eos_token_id=self.eos_token_id)
+        if sampling_params.structured_output is not None:
+            req.grammar = self.grammars.new_state(sampling_params.structured_output)
         self.scheduler.add_request(req)
         return req
 
     def check_sampling_params(self, params: SamplingParams) -> None:
-        """Raise ValueError where ``params`` name a token this model does not have."""
+        """Raise ValueError where ``params`` name a token this model does not have, or
+        ask for structured output that cannot be compiled (``StructuredOutputError``)."""
         check_token_ids(params.stop_token_ids, self.model_config.vocab_size, "stop_token_ids")
+        if params.structured_output is not None:
+            self.compile_structured_output(params.structured_output)
+
+    def compile_structured_output(self, spec: StructuredOutput):
+        """Compile ``spec``'s grammar now (cached by its key), so that adding the request
+        later costs no compilation; ``StructuredOutputError`` (a ValueError) naming the
+        problem for an invalid schema, regex or grammar, or without xgrammar. The server
+        calls this on its input threads, off the event loop."""
+        return self.grammars.compile(spec)
 
     def check_prompt(self, prompt_token_ids: list[int], what: str = "prompt") -> list[int]:
         """The prompt's ids if every one is in the vocabulary and one more token fits in
@@ -173,6 +188,9 @@ class LLMEngine:
             stats.decode_time += now - t0
         got_token = self.scheduler.update(out, sampled)
         finished, failed = [], []
+        for req in got_token:
+            if req.grammar is not None and not req.is_finished:
+                self._advance_grammar(req)
         for req in out.requests.values():
             if req.failure is not None and not req.is_finished:
                 self._fail(req, failed)
@@ -198,6 +216,16 @@ class LLMEngine:
                 self.runner.forget(req.req_id)
                 finished.append(req)
         return StepResult(got_token, finished, failed)
+
+    def _advance_grammar(self, req: Request) -> None:
+        """Feed the sampled token to the request's matcher; finish the request (``stop``)
+        when its grammar has terminated. A matcher's failure is the request's alone."""
+        try:
+            req.grammar.accept(req.output_token_ids[-1])
+            if req.grammar.terminated:
+                self.scheduler.finish_request(req, FinishReason.STOP)
+        except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+            req.failure = f"structured output failed: {type(exc).__name__}: {exc}"
 
     def _fail(self, req: Request, failed: list[Request]) -> None:
         self.scheduler.finish_request(req, FinishReason.ERROR, req.failure)

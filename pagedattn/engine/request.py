@@ -59,6 +59,9 @@ class Request:
     finish_time: float | None = None
     stop_text: Any = None
     """With stop strings: the ``detokenizer.IncrementalDetokenizer`` that finds them."""
+    grammar: Any = None
+    """With ``sampling_params.structured_output``: its
+    ``structured_output.GrammarState`` (matcher and token bitmask)."""
     failure: str | None = None
     """Set where processing this request alone raised (its sampling, its stop strings):
     the engine then finishes it with ``error`` and the other requests go on."""

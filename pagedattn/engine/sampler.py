@@ -119,16 +119,43 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return best * ARGMAX_CHUNK + within
 
 
+def apply_grammar_masks(logits: torch.Tensor, reqs: list[Request]) -> set[int]:
+    """Mask, in place, the logits of the rows whose request has a grammar (structured
+    output) to the tokens it allows next; the other rows are not touched. Returns the
+    rows whose masking failed (``Request.failure`` says why)."""
+    failed = set()
+    for i, req in enumerate(reqs):
+        if req.grammar is None:
+            continue
+        try:
+            req.grammar.mask(logits[i])
+        except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+            req.failure = f"structured output failed: {type(exc).__name__}: {exc}"
+            failed.add(i)
+    return failed
+
+
 def sample(logits: torch.Tensor, reqs: list[Request],
            generators: list[torch.Generator | None]) -> SamplerOutput:
-    """One token per row of ``logits`` (``[n, vocab]``), row ``i`` for ``reqs[i]``."""
+    """One token per row of ``logits`` (``[n, vocab]`` float32), row ``i`` for ``reqs[i]``.
+    Rows with a grammar are masked first (in place); the others pay one attribute check."""
+    failed = set()
+    if any(r.grammar is not None for r in reqs):
+        failed = apply_grammar_masks(logits, reqs)
     plain = not any(_needs_processing(r) or r.sampling_params.logprobs is not None for r in reqs)
     if plain and all(r.sampling_params.greedy for r in reqs):
-        return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(reqs))
+        tokens = argmax_rows(logits).tolist()
+        for i in failed:
+            tokens[i] = None
+        return SamplerOutput(tokens, [None] * len(reqs))
     logits = logits.float()
     tokens: list[int | None] = []
     logprobs: list[TokenLogprobs | None] = []
-    for row, req, gen in zip(logits, reqs, generators):
+    for i, (row, req, gen) in enumerate(zip(logits, reqs, generators)):
+        if i in failed:
+            tokens.append(None)
+            logprobs.append(None)
+            continue
         try:
             _process_row(row, req)
             token = _pick(row, req, gen)

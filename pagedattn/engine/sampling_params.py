@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from pagedattn.checks import require_int, require_number
+from pagedattn.engine.structured_output import StructuredOutput
 
 TEMPERATURE_FLOOR = 0.01
 """Temperatures in ``(0, TEMPERATURE_FLOOR)`` are raised to it (vLLM does the same). The
@@ -45,6 +46,11 @@ class SamplingParams:
     the ``logprobs`` most likely alternatives, from the model's distribution after the
     penalty and before temperature. ``skip_special_tokens`` drops special tokens (EOS)
     from the text.
+
+    ``structured_output`` (a :class:`~pagedattn.engine.structured_output.StructuredOutput`,
+    ``None`` = off) holds the output to a JSON schema, any JSON object, a regex or an EBNF
+    grammar (xgrammar): tokens the grammar does not allow next are masked before the pick,
+    and the request finishes (``stop``) once the grammar is complete.
     """
 
     temperature: float = 1.0
@@ -59,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
@@ -97,6 +104,10 @@ class SamplingParams:
         for t in ids:
             require_int("stop_token_ids", t, 0, numpy=True, expected="a list of ints >= 0")
         object.__setattr__(self, "stop_token_ids", [int(t) for t in ids])
+        if self.structured_output is not None and not isinstance(self.structured_output,
+                                                                 StructuredOutput):
+            raise TypeError(f"structured_output must be a StructuredOutput or None, "
+                            f"got {self.structured_output!r:.100}")
 
     @property
     def greedy(self) -> bool:

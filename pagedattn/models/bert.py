@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.models.loader import WeightCopier
+from pagedattn.models.loader import CheckpointNames, load_weights
 from pagedattn.models.layers import PagedAttention
 
 
@@ -92,28 +92,24 @@ class BertModel(nn.Module):
                               for a, b in zip(query_start_loc[:-1], query_start_loc[1:])])
         return F.normalize(pooled, dim=-1)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        copier = WeightCopier(self, "the BERT encoder")
+    def checkpoint_names(self) -> CheckpointNames:
+        """The Hugging Face BERT names: query/key/value packed into ``qkv``, the pooler
+        and the position-id buffer skipped."""
         h = self.config.hidden_size
-        renames = {"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
-                   "intermediate.dense": "intermediate", "output.dense": "output",
-                   "output.LayerNorm": "output_norm"}
-        qkv = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
-        for name, tensor in weights:
-            name = name.removeprefix("bert.")
-            if name.startswith("pooler.") or name.endswith("position_ids"):
-                continue
-            target, offset = name, None
-            if name.startswith("embeddings."):
-                target = name.removeprefix("embeddings.").replace("LayerNorm", "embed_norm")
-            elif name.startswith("encoder.layer."):
-                _, _, idx, rest = name.split(".", 3)
-                module, _, kind = rest.rpartition(".")
-                if module in qkv:
-                    target, offset = f"layers.{idx}.qkv.{kind}", qkv[module] * h
-                elif module in renames:
-                    target = f"layers.{idx}.{renames[module]}.{kind}"
-            copier.copy(name, tensor, target, offset, h)
-        params = copier.params
-        expected = {copier.piece(p, o) for p in params if ".qkv." in p for o in (0, h, 2 * h)}
-        copier.finish(expected | {p for p in params if ".qkv." not in p})
+        embeddings = ("word_embeddings", "position_embeddings", "token_type_embeddings")
+        return CheckpointNames(
+            model_name="the BERT encoder", prefix="bert.",
+            skip=lambda name: name.startswith("pooler.") or name.endswith("position_ids"),
+            layers=("encoder.layer", "layers"),
+            modules={"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
+                     "intermediate.dense": "intermediate", "output.dense": "output",
+                     "output.LayerNorm": "output_norm"},
+            packed={"attention.self.query": ("qkv", 0), "attention.self.key": ("qkv", 1),
+                    "attention.self.value": ("qkv", 2)},
+            shards={"qkv": (h, h, h)},
+            top={"embeddings.LayerNorm": "embed_norm",
+                 **{f"embeddings.{e}": e for e in embeddings}})
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in (:func:`pagedattn.models.loader.load_weights`)."""
+        load_weights(self, weights, self.checkpoint_names())

@@ -26,7 +26,7 @@ from torch import nn
 from pagedattn import ops
 from pagedattn.models.layers import (PagedAttention, RotaryEmbedding, gated_projection, keep_rows,
                                      native_dtypes)
-from pagedattn.models.loader import WeightCopier, fused_projections
+from pagedattn.models.loader import CheckpointNames, decoder_names, load_weights
 
 GEMMA3_MODEL_TYPES = ("gemma3_text",)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -304,29 +304,16 @@ class Gemma3ForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in (``model.layers.N.self_attn.q_proj.weight``,
-        ...), fusing q/k/v and gate/up; every parameter must be set exactly once."""
+    def checkpoint_names(self) -> CheckpointNames:
+        """The Hugging Face names (``model.layers.N.self_attn.q_proj.weight``, ...): q/k/v
+        and gate/up packed into the fused projections, the q/k norms kept per layer."""
         cfg = self.config
-        copier = WeightCopier(self, cfg.model_type)
-        fused = fused_projections(cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                                  cfg.intermediate_size)
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                continue
-            target, offset, size = name, None, None
-            parts = name.split(".")
-            if len(parts) == 5 and parts[0] == "layers" and parts[2] in ("self_attn", "mlp"):
-                if parts[3] in fused:
-                    module, offset, size = fused[parts[3]]
-                else:  # o_proj, down_proj, q_norm, k_norm
-                    module = parts[3]
-                target = f"layers.{parts[1]}.{module}.{parts[4]}"
-            copier.copy(name, tensor, target, offset, size)
-        expected = set()
-        for pname in copier.params:
-            module = pname.rsplit(".", 2)[-2]
-            offsets = sorted({o for m, o, _ in fused.values() if m == module})
-            expected |= ({copier.piece(pname, o) for o in offsets} if offsets else {pname})
-        copier.finish(expected)
+        return decoder_names(cfg.model_type, cfg.num_heads * cfg.head_dim,
+                             cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size,
+                             cfg.tie_word_embeddings,
+                             extra_modules=("self_attn.q_norm", "self_attn.k_norm"))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in (:func:`pagedattn.models.loader.load_weights`);
+        every parameter must be set exactly once."""
+        load_weights(self, weights, self.checkpoint_names())

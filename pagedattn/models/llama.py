@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.models.loader import WeightCopier, fused_projections
+from pagedattn.models.loader import CheckpointNames, decoder_names, load_weights
 from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gated_projection,
                                      keep_rows, native_dtypes, silu_and_mul)
 
@@ -156,28 +156,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter
-        must be set exactly once (a missing one raises naming it)."""
+    def checkpoint_names(self) -> CheckpointNames:
+        """The Hugging Face names, q/k/v and gate/up packed into the fused projections."""
         cfg = self.config
-        copier = WeightCopier(self, cfg.model_type)
-        fused = fused_projections(cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                                  cfg.intermediate_size)
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                continue
-            target, offset, size = name, None, None
-            parts = name.split(".")
-            if len(parts) >= 5 and parts[0] == "layers" and parts[3] in fused:
-                module, offset, size = fused[parts[3]]
-                target = f"layers.{parts[1]}.{module}.{parts[4]}"
-            elif len(parts) >= 5 and parts[0] == "layers" and parts[3] in ("o_proj", "down_proj"):
-                target = f"layers.{parts[1]}.{parts[3]}.{parts[4]}"
-            copier.copy(name, tensor, target, offset, size)
-        expected = set()
-        for pname in copier.params:
-            module = pname.rsplit(".", 2)[-2]
-            offsets = sorted({o for m, o, _ in fused.values() if m == module})
-            expected |= ({copier.piece(pname, o) for o in offsets} if offsets else {pname})
-        copier.finish(expected)
+        return decoder_names(cfg.model_type, cfg.num_heads * cfg.head_dim,
+                             cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size,
+                             cfg.tie_word_embeddings)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in (:func:`pagedattn.models.loader.load_weights`);
+        every parameter must be set exactly once (a missing one raises naming it)."""
+        load_weights(self, weights, self.checkpoint_names())

@@ -13,9 +13,9 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -342,14 +342,95 @@ def load_tokenizer(checkpoint: Checkpoint):
     return tokenizer
 
 
-def fused_projections(q_size: int, kv_size: int, intermediate_size: int
-                      ) -> dict[str, tuple[str, int, int]]:
-    """Where each Hugging Face projection lands in the fused modules: ``name -> (fused
-    module, row offset, rows)`` for q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``)."""
-    return {"q_proj": ("qkv_proj", 0, q_size), "k_proj": ("qkv_proj", q_size, kv_size),
-            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("gate_up_proj", 0, intermediate_size),
-            "up_proj": ("gate_up_proj", intermediate_size, intermediate_size)}
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How a model's parameters are named in its checkpoints: what a model declares so
+    :func:`load_weights` can load it. Names are matched on whole modules (the name
+    without its last part, ``weight`` or ``bias``); a module with no entry keeps its name.
+
+    ``packed`` is the packed-module mapping: a checkpoint module that is one shard of a
+    fused parameter (q/k/v of ``qkv_proj``, gate/up of ``gate_up_proj``) names that
+    parameter and its shard id; ``shards`` gives each fused parameter's shard rows."""
+
+    model_name: str
+    """The model, in words, for error messages."""
+    skip: Callable[[str], bool]
+    """True for a checkpoint tensor (prefix removed) the model does not hold."""
+    prefix: str = ""
+    """Removed from every checkpoint name first (``model.``, ``bert.``)."""
+    layers: tuple[str, str] = ("layers", "layers")
+    """The layer list's name in the checkpoint and in the model."""
+    modules: Mapping[str, str] = field(default_factory=dict)
+    """Layer module renames: checkpoint module -> the model's."""
+    packed: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    """Layer module -> (fused parameter module, shard id)."""
+    shards: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Fused parameter module -> the rows of each shard, in shard-id order."""
+    top: Mapping[str, str] = field(default_factory=dict)
+    """Renames of modules outside the layers."""
+
+    def shard_starts(self, module: str) -> tuple[int, ...]:
+        """The first row of each shard of fused ``module`` (empty when not fused)."""
+        rows = self.shards.get(module, ())
+        return tuple(sum(rows[:i]) for i in range(len(rows)))
+
+    def locate(self, name: str) -> tuple[str, int | None, int | None]:
+        """Where checkpoint tensor ``name`` (prefix removed) goes: ``(parameter, first
+        row, rows)``, the rows ``None`` for a whole parameter."""
+        source, target = self.layers
+        if name.startswith(source + "."):
+            index, _, rest = name[len(source) + 1:].partition(".")
+            module, _, kind = rest.rpartition(".")
+            if module in self.packed:
+                fused, shard = self.packed[module]
+                return (f"{target}.{index}.{fused}.{kind}", self.shard_starts(fused)[shard],
+                        self.shards[fused][shard])
+            if module in self.modules:
+                return f"{target}.{index}.{self.modules[module]}.{kind}", None, None
+            return name, None, None
+        module, _, kind = name.rpartition(".")
+        if module in self.top:
+            return f"{self.top[module]}.{kind}", None, None
+        return name, None, None
+
+
+def decoder_names(model_name: str, q_size: int, kv_size: int, intermediate_size: int,
+                  tied_embeddings: bool, extra_modules: tuple[str, ...] = ()) -> CheckpointNames:
+    """The Hugging Face decoder naming (Llama, Gemma 3): ``model.layers.N.self_attn.*`` and
+    ``model.layers.N.mlp.*`` onto a layer holding ``qkv_proj``, ``o_proj``,
+    ``gate_up_proj``, ``down_proj`` and its norms. ``extra_modules``: further
+    ``self_attn.``/``mlp.`` modules the layer holds under their own names (Gemma's
+    q/k norms)."""
+    own = ("self_attn.o_proj", "mlp.down_proj", *extra_modules)
+    return CheckpointNames(
+        model_name=model_name, prefix="model.",
+        skip=lambda name: "rotary_emb" in name or (tied_embeddings and name == "lm_head.weight"),
+        modules={m: m.partition(".")[2] for m in own},
+        packed={"self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", 1),
+                "self_attn.v_proj": ("qkv_proj", 2), "mlp.gate_proj": ("gate_up_proj", 0),
+                "mlp.up_proj": ("gate_up_proj", 1)},
+        shards={"qkv_proj": (q_size, kv_size, kv_size),
+                "gate_up_proj": (intermediate_size, intermediate_size)})
+
+
+def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 names: CheckpointNames) -> None:
+    """The one loading loop: copy each checkpoint tensor to where ``names`` puts it (a
+    shard of a fused parameter into its rows), then check that every parameter, and every
+    shard of a fused one, was set. A tensor with no place, of the wrong shape, or a
+    missing one raises naming it."""
+    copier = WeightCopier(model, names.model_name)
+    for name, tensor in weights:
+        name = name.removeprefix(names.prefix)
+        if names.skip(name):
+            continue
+        target, start, rows = names.locate(name)
+        copier.copy(name, tensor, target, start, rows)
+    expected = set()
+    for param in copier.params:
+        starts = names.shard_starts(param.rsplit(".", 2)[-2])
+        expected |= {copier.piece(param, s) for s in starts} if starts else {param}
+    copier.finish(expected)
 
 
 class WeightCopier:

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedattn.engine.llm import LLM
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ContextLengthError
+from pagedattn.engine.structured_output import StructuredOutput
 from pagedattn.serve.body import (
     DEFAULT_MAX_REQUEST_BYTES,
     UNREAD_BODY,
@@ -124,9 +125,22 @@ class ServeState:
     def check_prompt(self, ids: list[int], param: str) -> list[int]:
         return _as_400(self.llm.engine.check_prompt, ids, param, param=param)
 
-    def prepare(self, body, chat: bool) -> tuple[list[int], SamplingParams]:
+    async def structured_output(self, body) -> StructuredOutput | None:
+        """The request's structured output, its grammar compiled on an input thread (never
+        on the event loop; cached by key, so a repeated schema costs a lookup). A 400
+        names the field for an invalid schema, regex or grammar, or a missing xgrammar."""
+        spec, param = body.structured_output()
+        if spec is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                self.input_pool, _as_400_param, self.llm.engine.compile_structured_output,
+                param, spec)
+        return spec
+
+    def prepare(self, body, chat: bool, structured: StructuredOutput | None = None
+                ) -> tuple[list[int], SamplingParams]:
         """Token ids and sampling parameters of a completion request, every input checked
-        (runs on an input thread for large bodies)."""
+        (runs on an input thread for large bodies). ``structured``: from
+        :meth:`structured_output`, compiled already."""
         engine = self.llm.engine
         ids = self.check_prompt(self.chat_ids(body), "messages") if chat \
             else self.prompt_ids(body.prompt)
@@ -136,7 +150,7 @@ class ServeState:
             requested = min(requested, room)  # OpenAI's default of 16, not asked for: fit it
         max_tokens = _as_400(engine.max_new_tokens, len(ids), requested, param="max_tokens")
         logprobs = body.requested_logprobs() if chat else body.logprobs
-        params = body.sampling_params(max_tokens, logprobs)
+        params = body.sampling_params(max_tokens, logprobs, structured)
         _as_400(engine.check_sampling_params, params, param="stop_token_ids")
         return ids, params
 
@@ -148,6 +162,10 @@ def _as_400(fn: Callable, *args, param: str | None = None):
     except (TypeError, ValueError) as exc:
         code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
         raise APIError(400, str(exc), param=param, code=code) from None
+
+
+def _as_400_param(fn: Callable, param: str, *args):
+    return _as_400(fn, *args, param=param)
 
 
 def _validate(raw: bytes, schema: type[Body]) -> Body:
@@ -259,7 +277,8 @@ def _routes(state: ServeState) -> APIRouter:
         state.check_model(body.model)
         body.check_n()
         state.decoder_loop("/v1/completions")
-        ids, params = await state.run_inputs(large, state.prepare, body, False)
+        structured = await state.structured_output(body)
+        ids, params = await state.run_inputs(large, state.prepare, body, False, structured)
         kind = Kind(False, f"cmpl-{uuid.uuid4().hex}", state.model_name)
         return await _generate(state, request, kind, ids, params, body.stream,
                                bool(body.stream_options and body.stream_options.include_usage))
@@ -270,7 +289,8 @@ def _routes(state: ServeState) -> APIRouter:
         state.check_model(body.model)
         body.check_n()
         state.decoder_loop("/v1/chat/completions")
-        ids, params = await state.run_inputs(large, state.prepare, body, True)
+        structured = await state.structured_output(body)
+        ids, params = await state.run_inputs(large, state.prepare, body, True, structured)
         kind = Kind(True, f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
         return await _generate(state, request, kind, ids, params, body.stream,
                                bool(body.stream_options and body.stream_options.include_usage))

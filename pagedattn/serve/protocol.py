@@ -14,6 +14,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.engine.structured_output import StructuredOutput
 
 
 class APIError(Exception):
@@ -81,6 +82,35 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema`` (OpenAI's shape). The output is always held to the
+    schema; ``strict`` is accepted for compatibility and changes nothing."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` object: one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_grammar", "regex", "grammar")
+"""The request fields that ask for structured output; at most one may be set."""
+
+
 class _Sampling(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -101,6 +131,49 @@ class _Sampling(_Strict):
     repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0)
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
+    # structured output: OpenAI's response_format, and vLLM's names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
+        """``(what the output must match, the field that asked for it)``; ``(None, None)``
+        for free text. A 400 names the field where two ask at once or one is invalid."""
+        given = [f for f in STRUCTURED_FIELDS if getattr(self, f) is not None
+                 and not (f == "response_format" and self.response_format.type == "text")]
+        if not given:
+            return None, None
+        if len(given) > 1:
+            raise APIError(400, f"{given[0]} and {given[1]}: only one structured-output field "
+                                f"may be set", param=given[1])
+        name = given[0]
+        value = getattr(self, name)
+        param = name
+        try:
+            if name == "response_format":
+                if value.type == "json_object":
+                    return StructuredOutput(json_object=True), name
+                param = "response_format.json_schema"
+                if value.json_schema is None:
+                    raise ValueError("response_format: type 'json_schema' needs a 'json_schema' "
+                                     "object with a 'schema'")
+                param = "response_format.json_schema.schema"
+                if value.json_schema.schema_ is None:
+                    raise ValueError("response_format.json_schema.schema is required")
+                return StructuredOutput(json=value.json_schema.schema_), name
+            if name == "structured_outputs":
+                fields = {"json": value.json_, "json_object": bool(value.json_object),
+                          "regex": value.regex, "grammar": value.grammar}
+                return StructuredOutput(**fields), name
+            kind = {"guided_json": "json", "guided_regex": "regex", "regex": "regex",
+                    "guided_grammar": "grammar", "grammar": "grammar"}[name]
+            return StructuredOutput(**{kind: value}), name
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from None
 
     def check_n(self) -> None:
         if self.n != 1:
@@ -109,14 +182,16 @@ class _Sampling(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured_output: StructuredOutput | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                 max_tokens=max_tokens, seed=self.seed, stop=self.stop,
                 ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or [],
                 min_tokens=self.min_tokens, repetition_penalty=self.repetition_penalty,
-                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                structured_output=structured_output)
         except (TypeError, ValueError) as exc:
             raise APIError(400, str(exc)) from exc
 
