@@ -106,7 +106,7 @@ def weight_streaming_fraction(llm: LLM, decode_tok_s: float) -> tuple[float, flo
 def export_hf_dir(model: str, path: str) -> str:
     """A Hugging Face copy of the model's GGUF (for vLLM, which reads no GGUF), converted
     once under ``path`` by the vLLM plugin's converter (fp32 safetensors)."""
-    from pagedattn.integrations.vllm.workloads import hf_checkpoint_from_gguf
+    from pagedattn.bench.vllm_plugin_runs import hf_checkpoint_from_gguf
 
     return str(hf_checkpoint_from_gguf(resolve_model(model), path, HF_DIR_NAMES[model]))
 

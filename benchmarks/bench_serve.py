@@ -237,7 +237,7 @@ def main() -> int:
                   env, port, args.model))
     if args.vllm_python:
         # vLLM reads no GGUF: the same converted checkpoint bench_engine.py gives it.
-        from pagedattn.integrations.vllm.workloads import smollm2_checkpoint
+        from pagedattn.bench.vllm_plugin_runs import smollm2_checkpoint
 
         hf_dir = str(smollm2_checkpoint(args.hf_dir)) if args.model == "smollm2" else model_dir
         port = _free_port()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedattn.integrations.vllm import workloads  # noqa: E402
+from pagedattn.bench import vllm_plugin_runs as workloads  # noqa: E402
 
 WORKLOADS = ("W1", "W2", "W3", "W4")
 # (metric, higher is better) per workload, in table order.

@@ -85,6 +85,43 @@ def _integer_tensor(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return t.to(dtype)
 
 
+def _lens_block_table(block_table, seq_lens: list[int], block_size: int | None) -> torch.Tensor:
+    """:meth:`CommonAttentionMetadata.from_lens`' block table: checked, or made."""
+    num_reqs = len(seq_lens)
+    if block_table is None:
+        return paging.pad_block_tables(paging.contiguous_block_tables(seq_lens, block_size))
+    bt = torch.as_tensor(block_table).to("cpu")
+    if bt.dim() != 2 or bt.shape[0] != num_reqs:
+        raise ValueError(
+            f"block_table must have shape [num_reqs={num_reqs}, max_blocks], "
+            f"got {tuple(bt.shape)}"
+        )
+    bt = _integer_tensor("block_table", bt, torch.int32)
+    if block_size is not None:
+        for r, sl in enumerate(seq_lens):
+            if paging.cdiv(sl, block_size) > bt.shape[1]:
+                raise ValueError(
+                    f"request {r}: seq_len {sl} needs {paging.cdiv(sl, block_size)} "
+                    f"blocks of {block_size}, block_table has {bt.shape[1]} columns"
+                )
+    return bt
+
+
+def _lens_slot_mapping(slot_mapping, bt: torch.Tensor, query_lens: list[int],
+                       seq_lens: list[int], block_size: int | None) -> torch.Tensor:
+    """:meth:`CommonAttentionMetadata.from_lens`' slot mapping: checked, or derived."""
+    if slot_mapping is None:
+        return paging.slot_mapping_for_new_tokens(bt, query_lens, seq_lens, block_size)
+    num_tokens = sum(query_lens)
+    sm = torch.as_tensor(slot_mapping)
+    if sm.dim() != 1 or sm.numel() < num_tokens:
+        raise ValueError(
+            f"slot_mapping must be 1-D with at least sum(query_lens)={num_tokens} "
+            f"entries, got shape {tuple(sm.shape)}"
+        )
+    return _integer_tensor("slot_mapping", sm, torch.int64)
+
+
 @dataclass
 class CommonAttentionMetadata:
     """Per-batch attention metadata, shared by every layer and backend of a step.
@@ -235,34 +272,8 @@ class CommonAttentionMetadata:
             )
         num_reqs, num_tokens = len(q), sum(q)
 
-        if block_table is None:
-            bt = paging.pad_block_tables(paging.contiguous_block_tables(s, block_size))
-        else:
-            bt = torch.as_tensor(block_table).to("cpu")
-            if bt.dim() != 2 or bt.shape[0] != num_reqs:
-                raise ValueError(
-                    f"block_table must have shape [num_reqs={num_reqs}, max_blocks], "
-                    f"got {tuple(bt.shape)}"
-                )
-            bt = _integer_tensor("block_table", bt, torch.int32)
-            if block_size is not None:
-                for r, sl in enumerate(s):
-                    if paging.cdiv(sl, block_size) > bt.shape[1]:
-                        raise ValueError(
-                            f"request {r}: seq_len {sl} needs {paging.cdiv(sl, block_size)} "
-                            f"blocks of {block_size}, block_table has {bt.shape[1]} columns"
-                        )
-
-        if slot_mapping is None:
-            sm = paging.slot_mapping_for_new_tokens(bt, q, s, block_size)
-        else:
-            sm = torch.as_tensor(slot_mapping)
-            if sm.dim() != 1 or sm.numel() < num_tokens:
-                raise ValueError(
-                    f"slot_mapping must be 1-D with at least sum(query_lens)={num_tokens} "
-                    f"entries, got shape {tuple(sm.shape)}"
-                )
-            sm = _integer_tensor("slot_mapping", sm, torch.int64)
+        bt = _lens_block_table(block_table, s, block_size)
+        sm = _lens_slot_mapping(slot_mapping, bt, q, s, block_size)
 
         qsl_cpu = paging.query_start_loc(q)
         seq_lens_cpu = torch.tensor(s, dtype=torch.int32)

@@ -85,6 +85,37 @@ def test_split_kv_launches_compile(dtype):
     assert compile_for(attend.then, H100).asm["cubin"]
 
 
+def test_a_step_plan_is_made_once_and_every_launch_uses_its_buffers():
+    # The builder plans the split once per step; each layer's launch reads the plan's
+    # partial buffers instead of allocating its own, and compiles the same.
+    b = batch(torch.bfloat16)
+    plan = tops.plan_kv_splits("cpu", torch.bfloat16, num_tokens=b.query.shape[0], num_reqs=2,
+                               num_heads=6, num_kv_heads=2, head_size=40, max_seqlen_q=5,
+                               max_seqlen_k=40, num_kv_splits=3)
+    assert plan.partial_acc.shape == (b.query.shape[0], 6, 3, 64)
+    assert plan.partial_ml.shape == (2, b.query.shape[0], 6, 3)
+    args = (b.query, b.key_cache, b.value_cache, torch.empty_like(b.query), b.query_start_loc,
+            5, b.seq_lens, 40, 0.1, True, None, (-1, -1), b.block_table, 0.0, None, None, None)
+    layers = [tops.plan_unified_attention(*args, kv_split_plan=plan) for _ in range(2)]
+    for attend in layers:
+        assert attend.grid[2] == 3
+        assert any(a is plan.partial_acc for a in attend.args)
+        assert any(a is plan.partial_ml for a in attend.then.args)
+    assert compile_for(layers[0], H100).asm["cubin"]
+    # Off the GPU, nothing is split unless asked, and no buffer is made.
+    assert tops.plan_kv_splits("cpu", torch.bfloat16, num_tokens=7, num_reqs=2, num_heads=6,
+                               num_kv_heads=2, head_size=40, max_seqlen_q=1,
+                               max_seqlen_k=40) == tops.KVSplitPlan(1)
+    # A plan made for another batch is refused, naming what it should hold.
+    other = tops.plan_kv_splits("cpu", torch.bfloat16, num_tokens=3, num_reqs=2, num_heads=6,
+                                num_kv_heads=2, head_size=40, max_seqlen_q=5, max_seqlen_k=40,
+                                num_kv_splits=3)
+    with pytest.raises(ValueError, match=r"kv_split_plan.partial_acc must be .*\(the plan of "):
+        tops.plan_unified_attention(*args, kv_split_plan=other)
+    with pytest.raises(ValueError, match="not both"):
+        tops.plan_unified_attention(*args, kv_split_plan=plan, num_kv_splits=3)
+
+
 def test_unified_attention_compiles_when_ints_are_specialized_to_one():
     # One request, one kv head, one query per kv head: num_reqs, queries_per_kv and
     # several strides become compile-time 1s. (Also the fp16 / sm80 case.)

@@ -2,7 +2,9 @@
 
 One launch of ``unified_attention`` serves the whole step — decodes, chunked prefills
 with prior context and whole prefills, in any order — so the builder neither reorders
-nor splits the batch: it only checks and packages ``CommonAttentionMetadata``.
+nor splits the batch: it checks and packages ``CommonAttentionMetadata`` and plans the
+step's split-KV launch once (:func:`pagedattn.ops.triton.plan_kv_splits`: the split
+count and the partial buffers every layer's launch shares).
 
 Cache: flash layout ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then
 V), in the model dtype or fp8 (``kv_cache_dtype`` ``"fp8"``/``"fp8_e4m3"``/
@@ -119,6 +121,9 @@ class TritonAttentionMetadata:
     slot_mapping: torch.Tensor
     """int64 ``[num_actual_tokens]``: cache slot of each new token, ``-1`` = skip."""
     causal: bool = True
+    kv_split_plan: triton_ops.KVSplitPlan | None = None
+    """The step's split-KV choice and partial buffers, made once by the builder and
+    read by every layer; ``None``: each launch chooses."""
 
     def __post_init__(self) -> None:
         num_reqs = self.seq_lens.numel()
@@ -152,15 +157,24 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
                 f"TRITON_ATTN has no cascade attention; got common_prefix_len={common_prefix_len}")
         cm = common_attn_metadata
         num_reqs = cm.num_reqs
+        seq_lens = cm.seq_lens[:num_reqs].to(torch.int32)
+        model = self.vllm_config.model_config
+        # Plan once per step: every layer shares the split count and the partial buffers.
+        split_plan = triton_ops.plan_kv_splits(
+            seq_lens.device, model.dtype, num_tokens=cm.num_actual_tokens, num_reqs=num_reqs,
+            num_heads=model.num_attention_heads, num_kv_heads=self.kv_cache_spec.num_kv_heads,
+            head_size=self.kv_cache_spec.head_size, max_seqlen_q=cm.max_query_len,
+            max_seqlen_k=cm.max_seq_len)
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
             query_start_loc=cm.query_start_loc[: num_reqs + 1].to(torch.int32),
             max_seq_len=cm.max_seq_len,
-            seq_lens=cm.seq_lens[:num_reqs].to(torch.int32),
+            seq_lens=seq_lens,
             block_table=cm.block_table_tensor[:num_reqs].to(torch.int32),
             slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
             causal=cm.causal,
+            kv_split_plan=split_plan,
         )
 
 
@@ -282,6 +296,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             k_descale=k_scale.view(1, 1).expand(descale_shape) if quantized else None,
             v_descale=v_scale.view(1, 1).expand(descale_shape) if quantized else None,
             sinks=self._on(device, "sinks"),
+            kv_split_plan=attn_metadata.kv_split_plan,
         )
         return output
 

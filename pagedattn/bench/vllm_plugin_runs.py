@@ -1,4 +1,5 @@
-"""Models, prompts and engine runs that check and measure the vLLM plugin.
+"""Models, prompts and engine runs that check and measure the vLLM plugin (a tool, not
+part of the plugin: it lives in the bench package).
 
 Shared by ``tests/vllm_plugin`` and ``benchmarks/bench_vllm_plugin.py``. Every run starts
 vLLM's own ``LLM`` engine in the calling process; whether it runs on pagedattn is decided
@@ -380,38 +381,35 @@ def last_json_line(stdout: str):
 # ------------------------------------------------------------------ subprocess jobs
 
 
-_ATTENTION_CALLS = [0]
+_COUNT_FROM = [0]
+"""This worker's served-call count when counting started (see :func:`_start_counting`)."""
 
 
-def _install_call_counter(worker) -> int:
-    """Run in each vLLM worker (``collective_rpc``): count pagedattn attention calls there,
-    the proof of which kernels ran. Returns the worker's rank."""
-    from pagedattn.backends import cpu_runtime
+def _start_counting(worker) -> int:
+    """Run in each vLLM worker (``collective_rpc``): note how many attention calls the
+    plugin has served there so far (its public counter), the baseline of
+    :func:`_calls_since_start`. Returns the worker's rank."""
+    from pagedattn.integrations.vllm.backend import served_attention_calls
 
-    original = getattr(cpu_runtime.attend, "__wrapped_by_counter__", cpu_runtime.attend)
-
-    def counted(*args, **kwargs):
-        _ATTENTION_CALLS[0] += 1
-        return original(*args, **kwargs)
-
-    counted.__wrapped_by_counter__ = original
-    cpu_runtime.attend = counted
-    _ATTENTION_CALLS[0] = 0
+    _COUNT_FROM[0] = served_attention_calls()
     return int(getattr(worker, "rank", 0))
 
 
-def _read_call_counter(worker) -> int:
-    return _ATTENTION_CALLS[0]
+def _calls_since_start(worker) -> int:
+    from pagedattn.integrations.vllm.backend import served_attention_calls
+
+    return served_attention_calls() - _COUNT_FROM[0]
 
 
 def count_attention_calls(llm) -> None:
-    """Start counting pagedattn attention calls in every worker of ``llm``."""
-    llm.collective_rpc(_install_call_counter)
+    """Start counting pagedattn attention calls in every worker of ``llm`` (the proof of
+    which kernels ran), read off the plugin's counter: nothing is patched."""
+    llm.collective_rpc(_start_counting)
 
 
 def attention_calls(llm) -> list[int]:
     """Per worker (rank order), the pagedattn attention calls since counting started."""
-    return [int(n) for n in llm.collective_rpc(_read_call_counter)]
+    return [int(n) for n in llm.collective_rpc(_calls_since_start)]
 
 
 def run_jobs(jobs: list[dict]) -> list[dict]:

@@ -7,6 +7,7 @@ so forward must write this step's K/V (reshape_and_cache_flash) before attending
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -28,6 +29,7 @@ from pagedattn.backends.triton_attn import (
     TritonAttentionImpl,
     TritonAttentionMetadataBuilder,
 )
+from pagedattn.ops import triton as triton_ops
 from pagedattn.testing import TOLERANCES, BatchSpec
 
 H, HKV, D, BS = 6, 2, 40, 16  # a GQA group of 3 and a head size that is not a power of 2
@@ -88,6 +90,32 @@ def test_forward_writes_cache_and_matches_reference(batch_name, feature, dtype, 
     torch.testing.assert_close(output.cpu().float(),
                                reference_output(impl, batch, expected_cache, *scales),
                                atol=atol, rtol=rtol)
+
+
+def test_the_builder_plans_the_split_once_and_every_layer_uses_it(device):
+    # The split count and the partial buffers are made once per step by the builder;
+    # two layers run on one plan (here a forced 3-way split) and both match the reference.
+    dtype = torch.float32
+    batch = flash_batch(BATCHES["mixed"], dtype=dtype, block_size=BS, num_heads=H,
+                        num_kv_heads=HKV, head_size=D, seed=4)
+    _, metadata = build(TritonAttentionMetadataBuilder, batch, dtype=dtype, block_size=BS,
+                        num_heads=H, num_kv_heads=HKV, head_size=D, device=device)
+    plan = metadata.kv_split_plan
+    assert plan is not None and (plan.num_kv_splits > 1) == (plan.partial_acc is not None)
+    forced = triton_ops.plan_kv_splits(
+        device, dtype, num_tokens=metadata.num_actual_tokens, num_reqs=metadata.num_reqs,
+        num_heads=H, num_kv_heads=HKV, head_size=D, max_seqlen_q=metadata.max_query_len,
+        max_seqlen_k=metadata.max_seq_len, num_kv_splits=3)
+    metadata = dataclasses.replace(metadata, kv_split_plan=forced)
+    for impl in (make_impl(), make_impl(sliding_window=16)):
+        kv_cache = context_only_kv_cache(batch).to(device)
+        output = torch.full_like(batch.query, math.nan).to(device)
+        impl.forward(layer_with_scales(1.0, 1.0, device), batch.query.to(device),
+                     batch.new_keys.to(device), batch.new_values.to(device), kv_cache,
+                     metadata, output=output)
+        torch.testing.assert_close(output.cpu().float(),
+                                   reference_output(impl, batch, full_kv_cache(batch), 1.0, 1.0),
+                                   atol=TOLERANCES[dtype][0], rtol=TOLERANCES[dtype][1])
 
 
 def test_uint8_cache_is_read_as_fp8_and_padding_rows_are_left_alone(device):

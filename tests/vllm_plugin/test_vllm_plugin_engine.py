@@ -28,7 +28,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment; t
 
 from greedy_checks import assert_same_greedy  # noqa: E402
 
-from pagedattn.integrations.vllm import workloads  # noqa: E402
+from pagedattn.bench import vllm_plugin_runs as workloads  # noqa: E402
 
 pytestmark = pytest.mark.slow  # whole-engine runs: make vllm-test-engine / test-all
 
@@ -72,7 +72,7 @@ def runs(tmp_path_factory):
         job_file = ckpt / f"jobs_{setting}.json"
         job_file.write_text(json.dumps(jobs))
         out[setting] = workloads.last_json_line(workloads.run_in_subprocess(
-            ["pagedattn.integrations.vllm.workloads", str(job_file)], plugin=plugin,
+            ["pagedattn.bench.vllm_plugin_runs", str(job_file)], plugin=plugin,
             timeout=JOB_TIMEOUT_S))
     for setting, results in out.items():
         print(f"plugin {setting}: " + ", ".join(

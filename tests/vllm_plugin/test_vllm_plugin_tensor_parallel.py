@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment; t
 
 from greedy_checks import assert_same_greedy  # noqa: E402
 
-from pagedattn.integrations.vllm import workloads  # noqa: E402
+from pagedattn.bench import vllm_plugin_runs as workloads  # noqa: E402
 
 pytestmark = pytest.mark.slow  # four engine starts: make vllm-test-engine / test-all
 
@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
     out = {}
     for setting, plugin in (("off", False), ("on", True)):
         results = workloads.last_json_line(workloads.run_in_subprocess(
-            ["pagedattn.integrations.vllm.workloads", str(job_file)], plugin=plugin,
+            ["pagedattn.bench.vllm_plugin_runs", str(job_file)], plugin=plugin,
             timeout=JOB_TIMEOUT_S))
         for tp, result in zip((1, 2), results):
             out[setting, tp] = result

@@ -65,6 +65,16 @@ _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 FP8_KV_CACHE_DTYPES = FP8_CACHE_DTYPES
 
 
+_SERVED_CALLS = [0]
+
+
+def served_attention_calls() -> int:
+    """How many layer calls the plugin has run on pagedattn's kernels in this process
+    (calls handed back to vLLM's own implementation are not counted): the proof, for a
+    test or a benchmark, that pagedattn served a run."""
+    return _SERVED_CALLS[0]
+
+
 def split_kv_cache(kv_cache: torch.Tensor, kv_cache_dtype: str = "auto"
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's per-layer cache ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` as
@@ -238,6 +248,7 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
                                     attn_metadata.slot_mapping, IsaHint(attn_metadata.isa))
         else:
             key_cache, value_cache = split_kv_cache(kv_cache, self.kv_cache_dtype)
+        _SERVED_CALLS[0] += 1
         cpu_runtime.attend(
             query[:num_tokens], key_cache, value_cache, output[:num_tokens],
             query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,

@@ -31,7 +31,7 @@ import torch
 __all__ = ["reshape_and_cache_flash", "unified_attention", "launch_problem",
            "triton_import_problem", "FP8_CACHE_DTYPES", "KernelLaunch",
            "plan_reshape_and_cache_flash", "plan_unified_attention", "Tiles",
-           "TILE_TABLE"]
+           "TILE_TABLE", "KVSplitPlan", "plan_kv_splits"]
 
 from pagedattn.checks import is_int, is_number, require_int  # noqa: E402
 from pagedattn.ops.reference import FP8_CACHE_DTYPES  # noqa: E402 (kv_cache_dtype -> fp8 dtype)
@@ -416,6 +416,75 @@ def _kv_splits_for(device: torch.device, programs: int, max_seqlen_q: int,
     return max(1, min(by_occupancy, by_length, MAX_KV_SPLITS))
 
 
+@dataclass(frozen=True)
+class KVSplitPlan:
+    """One step's split-KV choice for :func:`unified_attention`: how many slices each
+    request's keys are cut into, and the fp32 partial states of a split launch, sized
+    for the step's tokens. Made once per step (:func:`plan_kv_splits`, called by the
+    TRITON_ATTN builder) and read by every layer's launch."""
+
+    num_kv_splits: int
+    partial_acc: torch.Tensor | None = None
+    """``[num_tokens, num_heads, num_kv_splits, head_p]`` (``None`` when not split)."""
+    partial_ml: torch.Tensor | None = None
+    """``[2, num_tokens, num_heads, num_kv_splits]``: each slice's row max and sum."""
+
+
+def plan_kv_splits(device: torch.device | str, dtype: torch.dtype, *, num_tokens: int,
+                   num_reqs: int, num_heads: int, num_kv_heads: int, head_size: int,
+                   max_seqlen_q: int, max_seqlen_k: int,
+                   num_kv_splits: int | None = None) -> KVSplitPlan:
+    """The split-KV plan of a batch of ``num_reqs`` requests and ``num_tokens`` query
+    rows whose queries are ``dtype`` on ``device``: ``num_kv_splits`` when given, else
+    the choice :func:`unified_attention` makes (on a GPU, decode batches too small to
+    fill it are split; anything else is not), with the partial buffers it needs."""
+    device = torch.device(device)
+    require_int("num_kv_splits", num_kv_splits, 1, maximum=MAX_KV_SPLITS, allow_none=True)
+    if num_kv_splits is None and device.type != "cuda":
+        return KVSplitPlan(1)  # off the GPU, nothing is split unless asked
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads})")
+    group = num_heads // num_kv_heads
+    tiles = _tile_sizes(max_seqlen_q, group, head_size, _tile_table_key(device, dtype),
+                        dtype.itemsize)
+    return _split_plan(device, num_kv_splits or _kv_splits_for(
+        device, num_reqs * num_kv_heads, max_seqlen_q, max_seqlen_k, tiles.block_n),
+        num_tokens, num_heads, tiles.head_p)
+
+
+def _split_plan(device: torch.device, splits: int, num_tokens: int, num_heads: int,
+                head_p: int) -> KVSplitPlan:
+    if splits == 1:
+        return KVSplitPlan(1)
+    return KVSplitPlan(
+        splits,
+        torch.empty(num_tokens, num_heads, splits, head_p, dtype=torch.float32, device=device),
+        torch.empty(2, num_tokens, num_heads, splits, dtype=torch.float32, device=device))
+
+
+def _check_split_plan(plan: KVSplitPlan, num_kv_splits: int | None, device: torch.device,
+                      num_tokens: int, num_heads: int, head_p: int) -> None:
+    if not isinstance(plan, KVSplitPlan):
+        raise TypeError(f"kv_split_plan must be a KVSplitPlan, got {type(plan).__name__}")
+    if num_kv_splits is not None:
+        raise ValueError("give num_kv_splits or kv_split_plan, not both")
+    splits = plan.num_kv_splits
+    require_int("kv_split_plan.num_kv_splits", splits, 1, maximum=MAX_KV_SPLITS)
+    if splits == 1:
+        return
+    expected = {"partial_acc": (num_tokens, num_heads, splits, head_p),
+                "partial_ml": (2, num_tokens, num_heads, splits)}
+    for name, shape in expected.items():
+        t = getattr(plan, name)
+        if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape
+                or t.dtype != torch.float32 or t.device != device or not t.is_contiguous()):
+            got = None if not isinstance(t, torch.Tensor) else \
+                f"{tuple(t.shape)} {t.dtype} on {t.device}"
+            raise ValueError(f"kv_split_plan.{name} must be a contiguous float32 {shape} "
+                             f"tensor on {device} (the plan of this batch), got {got}")
+
+
 def unified_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -438,6 +507,7 @@ def unified_attention(
     *,
     num_kv_splits: int | None = None,
     tiles: Tiles | None = None,
+    kv_split_plan: KVSplitPlan | None = None,
 ) -> None:
     """Paged attention of a varlen batch (decodes, chunked prefills and whole prefills
     mixed, in any order) in one launch; fills ``out[:cu_seqlens_q[-1]]``.
@@ -470,6 +540,9 @@ def unified_attention(
             too small to fill it are split, anything else is not.
         tiles: the kernel's tile shape and launch options (:class:`Tiles`); ``None``
             takes the plan's (``TILE_TABLE``). For tuning.
+        kv_split_plan: the step's split choice and partial buffers, made once per step
+            by :func:`plan_kv_splits` (the TRITON_ATTN builder does); ``None`` plans
+            here. Excludes ``num_kv_splits``.
 
     GQA/MQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``; any
     group size and any head size (padded inside the kernel) work.
@@ -477,28 +550,24 @@ def unified_attention(
     _run(plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
                                 max_seqlen_k, softmax_scale, causal, alibi_slopes,
                                 window_size, block_table, softcap, q_descale, k_descale,
-                                v_descale, sinks, num_kv_splits=num_kv_splits, tiles=tiles),
+                                v_descale, sinks, num_kv_splits=num_kv_splits, tiles=tiles,
+                                kv_split_plan=kv_split_plan),
          q.device)
 
 
-def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
-                           softmax_scale, causal, alibi_slopes, window_size, block_table,
-                           softcap, q_descale, k_descale, v_descale,
-                           sinks=None, *, num_kv_splits=None,
-                           tiles=None) -> KernelLaunch | None:
-    """Validate the arguments of :func:`unified_attention` and return its launch
-    (``None``: nothing to compute)."""
-    q = _check_tensor("q", q, dim=3, dtypes=COMPUTE_DTYPES)
-    k = _check_tensor("k", k, dim=4)
-    v = _check_tensor("v", v, dim=4)
-    out = _check_tensor("out", out, dim=3)
-    cu_seqlens_q = _check_tensor("cu_seqlens_q", cu_seqlens_q, dim=1, dtypes=(torch.int32,))
-    seqused_k = _check_tensor("seqused_k", seqused_k, dim=1, dtypes=(torch.int32,))
-    block_table = _check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
-    num_tokens, num_heads, head_size = q.shape
+def _check_unified_tensors(q, k, v, out, cu_seqlens_q, seqused_k, block_table) -> None:
+    """The types, shapes and dtypes of :func:`unified_attention`'s batch and caches."""
+    _check_tensor("q", q, dim=3, dtypes=COMPUTE_DTYPES)
+    _check_tensor("k", k, dim=4)
+    _check_tensor("v", v, dim=4)
+    _check_tensor("out", out, dim=3)
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, dim=1, dtypes=(torch.int32,))
+    _check_tensor("seqused_k", seqused_k, dim=1, dtypes=(torch.int32,))
+    _check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,))
+    _, num_heads, head_size = q.shape
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"v ({tuple(v.shape)}, {v.dtype}) must match k ({tuple(k.shape)}, {k.dtype})")
-    num_blocks, block_size, num_kv_heads, cache_head_size = k.shape
+    _, _, num_kv_heads, cache_head_size = k.shape
     if cache_head_size != head_size:
         raise ValueError(f"the caches' head_size ({cache_head_size}) differs from q's ({head_size})")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
@@ -517,6 +586,12 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table must have at least num_reqs={num_reqs} rows, got "
                          f"shape {tuple(block_table.shape)}")
+
+
+def _check_unified_options(num_heads, max_seqlen_q, max_seqlen_k, window_size, softcap,
+                           q_descale, alibi_slopes, sinks) -> tuple[tuple[int, ...], float]:
+    """The feature arguments of :func:`unified_attention`, checked: ``(window, softcap)``
+    normalised."""
     require_int("max_seqlen_q", max_seqlen_q, 0)
     require_int("max_seqlen_k", max_seqlen_k, 0)
     window = tuple(window_size)
@@ -536,6 +611,24 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
         _check_tensor("sinks", sinks, dim=1, dtypes=(torch.float32, torch.bfloat16))
         if sinks.numel() != num_heads:
             raise ValueError(f"sinks must have num_heads={num_heads} entries, got {sinks.numel()}")
+    return window, softcap
+
+
+def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+                           softmax_scale, causal, alibi_slopes, window_size, block_table,
+                           softcap, q_descale, k_descale, v_descale,
+                           sinks=None, *, num_kv_splits=None,
+                           tiles=None, kv_split_plan=None) -> KernelLaunch | None:
+    """Validate the arguments of :func:`unified_attention` and return its launch
+    (``None``: nothing to compute)."""
+    _check_unified_tensors(q, k, v, out, cu_seqlens_q, seqused_k, block_table)
+    num_tokens, num_heads, head_size = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k.shape
+    quantized = k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    num_reqs = seqused_k.numel()
+    window, softcap = _check_unified_options(num_heads, max_seqlen_q, max_seqlen_k,
+                                             window_size, softcap, q_descale, alibi_slopes,
+                                             sinks)
     device = q.device
     _check_same_device(device, k=k, v=v, out=out, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k, block_table=block_table,
@@ -562,8 +655,14 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
     elif tiles.group_p != _next_pow2(group) or tiles.head_p < head_size:
         raise ValueError(f"tiles {tiles} do not fit a group of {group} and head size "
                          f"{head_size}")
-    splits = num_kv_splits or _kv_splits_for(device, num_reqs * num_kv_heads, max_seqlen_q,
-                                             max_seqlen_k, tiles.block_n)
+    if kv_split_plan is None:
+        kv_split_plan = _split_plan(device, num_kv_splits or _kv_splits_for(
+            device, num_reqs * num_kv_heads, max_seqlen_q, max_seqlen_k, tiles.block_n),
+            num_tokens, num_heads, tiles.head_p)
+    else:
+        _check_split_plan(kv_split_plan, num_kv_splits, device, num_tokens, num_heads,
+                          tiles.head_p)
+    splits = kv_split_plan.num_kv_splits
     # Request r's tiles start at cu_seqlens_q[r] // block_q + r (see the kernel), each
     # once per kv head.
     grid = ((num_tokens // tiles.block_q + num_reqs) * num_kv_heads, 1, splits)
@@ -572,10 +671,7 @@ def plan_unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
     merge = None
     part_acc = part_ml = dummy
     if splits > 1:
-        part_acc = torch.empty(num_tokens, num_heads, splits, tiles.head_p,
-                               dtype=torch.float32, device=device)
-        part_ml = torch.empty(2, num_tokens, num_heads, splits, dtype=torch.float32,
-                              device=device)
+        part_acc, part_ml = kv_split_plan.partial_acc, kv_split_plan.partial_ml
         merge = KernelLaunch(
             "merge_kv_splits_kernel", (num_tokens, num_heads),
             (part_acc, part_ml, sinks if sinks is not None else dummy, out, cu_seqlens_q,
