@@ -99,11 +99,7 @@ TORCH_OPS_ALLOWED = {
 }
 """Modules of models/ still allowed to call ``torch.ops`` directly."""
 
-ENGINE_BACKEND_IMPORTS_ALLOWED = {
-    # Temporary: the flash-prefill choice still imports CPU_ATTN's prefill module by name;
-    # the load-time hook of issue 31 (item 1) moves that choice into the backend.
-    ("pagedattn.engine.attention", "pagedattn.backends.cpu_sdpa_prefill"),
-}
+ENGINE_BACKEND_IMPORTS_ALLOWED: set[tuple[str, str]] = set()
 """(engine module, backend module) imports still allowed."""
 
 
