@@ -91,12 +91,7 @@ def test_the_plugin_reaches_kernels_only_through_the_runtime():
     assert "pagedattn.backends.cpu_runtime" in MODULES[f"{PLUGIN}.backend"]
 
 
-TORCH_OPS_ALLOWED = {
-    # Temporary: MeasuredLinear still calls torch.ops.pagedattn (and torch.ops.mkldnn)
-    # itself; the linear kernels' one-entry-path change (issue 31, item 5) moves it onto
-    # pagedattn.ops' wrappers, and this entry goes with it.
-    "pagedattn.models.linear_paths",
-}
+TORCH_OPS_ALLOWED: set[str] = set()
 """Modules of models/ still allowed to call ``torch.ops`` directly."""
 
 ENGINE_BACKEND_IMPORTS_ALLOWED: set[tuple[str, str]] = set()

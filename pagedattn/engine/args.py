@@ -53,12 +53,11 @@ def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
 
 
 def native_half_matmul() -> bool:
-    """Whether torch has a fast bf16/fp16 GEMM on this CPU (oneDNN with AVX512-BF16 or
-    AMX); without one, torch's bf16 linear is far slower than fp32 (docs/performance.md)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    """Whether torch has a fast bf16 GEMM on this CPU (oneDNN with AVX512-BF16 or AMX);
+    without one, torch's bf16 linear is far slower than fp32 (docs/performance.md)."""
+    from pagedattn.ops import onednn
+
+    return onednn.native_half_gemm(torch.bfloat16)
 
 
 @dataclass(frozen=True)

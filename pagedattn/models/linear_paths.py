@@ -33,7 +33,6 @@ Choices measured while other processes load the cores are used but not cached.
 from __future__ import annotations
 
 import enum
-import functools
 import itertools
 import os
 import time
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn import ops, tuning
+from pagedattn.ops import onednn
 from pagedattn.models.layers import fusable, replace_linear_layers
 
 FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
@@ -96,31 +96,7 @@ def _bucket_index(rows: int) -> int:
 # ------------------------------------------------------------------ availability
 
 
-def torch_half_gemm(dtype: torch.dtype) -> bool:
-    """Whether torch has a native ``dtype`` GEMM on this CPU (oneDNN with AVX512-BF16/AMX
-    for bf16, AVX512-FP16/AMX-FP16 for fp16); without one its half linear is emulated."""
-    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported",
-             torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
-    try:
-        return probe is not None and bool(getattr(torch.ops.mkldnn, probe)())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-@functools.cache
-def _onednn_linear_error(dtype: torch.dtype) -> str | None:
-    """Why torch's prepacked oneDNN linear ops do not run ``dtype`` here (private ops:
-    probed once with a tiny layer rather than trusted), or None."""
-    if not torch.backends.mkldnn.is_available():
-        return "torch was built without oneDNN"
-    try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), None)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), w, None,
-                                               "none", [None], "")
-    except (AttributeError, RuntimeError) as exc:
-        return f"torch's prepacked oneDNN linear failed: {str(exc).splitlines()[0][:120]}"
-    return None if torch.equal(y.float(), torch.full((1, 2), 2.0)) else \
-        "torch's prepacked oneDNN linear gave a wrong result"
+torch_half_gemm = onednn.native_half_gemm
 
 
 def unavailable_reasons(path: LinearPath, weight_dtype: torch.dtype) -> list[str]:
@@ -137,7 +113,7 @@ def unavailable_reasons(path: LinearPath, weight_dtype: torch.dtype) -> list[str
             and not torch_half_gemm(weight_dtype):
         reasons.append(f"torch has no native {weight_dtype} GEMM on this CPU (emulated, slow)")
     elif path is LinearPath.ONEDNN and weight_dtype in ops.PACKED_LINEAR_DTYPES:
-        error = _onednn_linear_error(weight_dtype)
+        error = onednn.linear_error(weight_dtype)
         if error:
             reasons.append(error)
     if weight_dtype not in ops.PACKED_LINEAR_DTYPES:
@@ -193,7 +169,7 @@ class MeasuredLinear(nn.Module):
                              if LinearPath.TORCH in paths else None)
         # An opaque oneDNN tensor: a plain attribute, not a buffer (state_dict, .to() and
         # deepcopy do not take it).
-        self.onednn_weight = (torch.ops.mkldnn._reorder_linear_weight(w.to(weight_dtype), None)
+        self.onednn_weight = (onednn.pack_weight(w.to(weight_dtype))
                               if LinearPath.ONEDNN in paths else None)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias)
@@ -247,18 +223,17 @@ class MeasuredLinear(nn.Module):
         run on the packed path, else the chosen path, then ``act_and_mul``."""
         if self._runner_for(x.shape[0]) != self._packed or not fusable(x, self.out_features):
             return act_and_mul(self.forward(x))
-        out = torch.ops.pagedattn.packed_gated_linear(x.float(), self.packed_weight, self.bias,
-                                                      self.out_features, activation)
+        out = ops.packed_gated_linear(x.float(), self.packed_weight, self.bias,
+                                      self.out_features, activation)
         return out.to(self.out_dtype)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.pagedattn.packed_linear(x.float(), self.packed_weight, self.bias,
-                                                self.out_features)
+        out = ops.packed_linear(x.float(), self.packed_weight, self.bias, self.out_features)
         return out.to(self.out_dtype)  # no-ops for fp32
 
     def _dpbf16(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pagedattn.packed_linear_dpbf16(x, self.dp_weight, self.bias,
-                                                        self.out_features, self.out_dtype)
+        return ops.packed_linear_dpbf16(x, self.dp_weight, self.bias, self.out_features,
+                                        self.out_dtype)
 
     def _half_gemm_out(self, out: torch.Tensor) -> torch.Tensor:
         """A half-precision GEMM's output, with the fp32 bias, in ``out_dtype``."""
@@ -273,7 +248,7 @@ class MeasuredLinear(nn.Module):
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         w = self.onednn_weight
-        out = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [None], "")
+        out = onednn.linear(x.to(w.dtype), w)
         if w.dtype == torch.float32:
             return out if self.bias is None else out.add_(self.bias)
         return self._half_gemm_out(out)
