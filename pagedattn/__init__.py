@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # The engine pulls in the model code; import it only when asked for.
-    if name in ("LLM", "SamplingParams"):
+    if name in ("LLM", "SamplingParams", "StructuredOutput"):
         from pagedattn import engine
 
         return getattr(engine, name)

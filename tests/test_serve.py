@@ -238,10 +238,10 @@ def test_exception_in_one_request_fails_it_alone(server, oai, ref, monkeypatch):
     loop = server[1].state.serve.loop
     original = loop._process
 
-    def faulty(req, tracked, now):
-        if req.sampling_params.seed == 4242 and len(req.output_token_ids) >= 2:
+    def faulty(progress, tracked, now):
+        if tracked.params.seed == 4242 and progress.num_output_tokens >= 2:
             raise RuntimeError("injected fault")
-        return original(req, tracked, now)
+        return original(progress, tracked, now)
 
     monkeypatch.setattr(loop, "_process", faulty)
     want = ref.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24))[0]

@@ -2,5 +2,6 @@
 
 from pagedattn.engine.llm import LLM, RequestOutput
 from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.engine.structured_output import StructuredOutput
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput"]

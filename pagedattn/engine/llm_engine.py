@@ -62,6 +62,21 @@ class EngineLoad:
     num_preemptions: int
 
 
+@dataclass(frozen=True)
+class RequestProgress:
+    """One request's progress (:meth:`LLMEngine.progress`): what a front end streams."""
+
+    req_id: str
+    new_token_ids: list[int]
+    """Output tokens from the ``since`` asked for on."""
+    new_logprobs: list
+    """``sampler.TokenLogprobs`` of ``new_token_ids`` (empty unless asked for)."""
+    num_output_tokens: int
+    finish_reason: str | None
+    """``None`` while the request runs."""
+    error: str | None
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, args: EngineArgs) -> None:
         if loaded.is_encoder:
@@ -238,6 +253,14 @@ class LLMEngine:
         return EngineLoad(len(sched.running), len(sched.waiting),
                           pool.num_blocks - pool.num_free_blocks, pool.num_blocks,
                           pool.num_hits, pool.num_queries, sched.num_preemptions)
+
+    def progress(self, req: Request, since: int = 0) -> RequestProgress:
+        """``req``'s output from its ``since``-th token on, and whether (and why) it has
+        finished; ``req`` is a handle from :meth:`add_request` or a :class:`StepResult`."""
+        out = req.output_token_ids
+        return RequestProgress(req.req_id, out[since:], req.output_logprobs[since:len(out)],
+                               len(out), str(req.finish_reason) if req.is_finished else None,
+                               req.error)
 
     def running_request_ids(self) -> list[str]:
         """Ids of the requests in the running batch."""

@@ -24,10 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedattn.engine.llm import LLM
-from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.engine.scheduler import ContextLengthError
-from pagedattn.engine.structured_output import StructuredOutput
+from pagedattn.engine.interface import LLM, ContextLengthError, SamplingParams, StructuredOutput
 from pagedattn.serve.body import (
     DEFAULT_MAX_REQUEST_BYTES,
     UNREAD_BODY,

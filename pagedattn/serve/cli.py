@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from pagedattn.engine.cli import add_engine_arguments, describe_engine, engine_args
+from pagedattn.engine.interface import add_engine_arguments, describe_engine, engine_args
 
 # The request body limit's default (--max-request-bytes): 8 MiB, far above a context's
 # worth of text or token ids (SmolLM2's 8,192 tokens are ~60 KB as ids), and small enough
@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pagedattn serve needs the 'serve' extra (pip install 'pagedattn[serve]'): {exc}",
               file=sys.stderr)
         return 2
-    from pagedattn import LLM
+    from pagedattn.engine.interface import LLM
 
     try:
         _check(args)

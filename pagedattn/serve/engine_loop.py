@@ -22,10 +22,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from pagedattn.engine.detokenizer import StreamingText
-from pagedattn.engine.llm_engine import LLMEngine
-from pagedattn.engine.request import FinishReason, Request
-from pagedattn.engine.sampling_params import SamplingParams
+from pagedattn.engine.interface import (
+    FinishReason,
+    LLMEngine,
+    RequestProgress,
+    SamplingParams,
+    StreamingText,
+)
 from pagedattn.serve.metrics import ServeMetrics
 
 log = logging.getLogger("pagedattn.serve")
@@ -81,6 +84,7 @@ class _Tracked:
     aloop: asyncio.AbstractEventLoop
     num_prompt_tokens: int
     arrival: float
+    params: SamplingParams | None = None
     text: StreamingText | None = None
     sent_tokens: int = 0
     first_token: float | None = None
@@ -140,7 +144,7 @@ class EngineLoop:
                arrival: float | None = None) -> RequestStream:
         stream = RequestStream(req_id)
         tracked = _Tracked(stream, asyncio.get_running_loop(), len(prompt_ids),
-                           arrival if arrival is not None else time.perf_counter())
+                           arrival if arrival is not None else time.perf_counter(), params)
         self.num_in_flight += 1
         self._inbox.put(_Add(req_id, list(prompt_ids), params, tracked))
         return stream
@@ -244,16 +248,17 @@ class EngineLoop:
             return
         now = time.perf_counter()
         for req in result.failed:
-            log.error("request %s failed: %s", req.req_id, req.error)
-            self._fail(req.req_id, f"internal error while processing the request: {req.error}",
-                       500)
+            error = self.engine.progress(req).error
+            log.error("request %s failed: %s", req.req_id, error)
+            self._fail(req.req_id, f"internal error while processing the request: {error}", 500)
         out: dict[asyncio.AbstractEventLoop, list] = {}
         for req in result.sampled:
             tracked = self._tracked.get(req.req_id)
             if tracked is None:
                 continue
             try:
-                delta = self._process(req, tracked, now)
+                progress = self.engine.progress(req, tracked.sent_tokens)
+                delta = self._process(progress, tracked, now)
             except Exception as exc:  # noqa: BLE001 - fail this request alone
                 log.exception("request %s failed", req.req_id)
                 self._fail(req.req_id, f"internal error while processing the request: {exc}", 500)
@@ -261,17 +266,16 @@ class EngineLoop:
             out.setdefault(tracked.aloop, []).append((tracked.stream, delta))
             if delta.finish_reason is not None:
                 self._tracked.pop(req.req_id, None)
-                self._log_finished(req, tracked, now)
+                self._log_finished(progress, tracked, now)
         for aloop, items in out.items():
             _post(aloop, items)
         self._refresh()
 
-    def _process(self, req: Request, tracked: _Tracked, now: float) -> Delta:
-        """The delta of ``req`` since the last one: its new tokens, and the new text
-        that is final (``detokenizer.StreamingText``: decoded incrementally, held back
-        while it may begin a stop string, cut before one)."""
-        new_tokens = req.output_token_ids[tracked.sent_tokens:]
-        logprobs = req.output_logprobs[tracked.sent_tokens:tracked.sent_tokens + len(new_tokens)]
+    def _process(self, progress: RequestProgress, tracked: _Tracked, now: float) -> Delta:
+        """The delta of a request since the last one (``progress`` from its last sent
+        token): its new tokens, and the new text that is final (``StreamingText``: decoded
+        incrementally, held back while it may begin a stop string, cut before one)."""
+        new_tokens, logprobs = progress.new_token_ids, progress.new_logprobs
         tracked.sent_tokens += len(new_tokens)
         if self.metrics is not None:
             if tracked.first_token is None:
@@ -282,22 +286,23 @@ class EngineLoop:
             tracked.first_token = now
         tracked.last_token = now
         if tracked.text is None and self.tokenizer is not None:
-            sp = req.sampling_params
+            sp = tracked.params
             tracked.text = StreamingText(self.tokenizer, sp.skip_special_tokens, sp.stop)
-        delta_text = tracked.text.add(new_tokens, req.is_finished) if tracked.text else ""
-        finish = str(req.finish_reason) if req.is_finished else None
+        finish = progress.finish_reason
+        delta_text = tracked.text.add(new_tokens, finish is not None) if tracked.text else ""
         if finish is not None and self.metrics is not None:
             self.metrics.finished(finish, now - tracked.arrival)
         return Delta(delta_text, list(new_tokens), list(logprobs), finish,
-                     tracked.num_prompt_tokens, len(req.output_token_ids))
+                     tracked.num_prompt_tokens, progress.num_output_tokens)
 
-    def _log_finished(self, req: Request, tracked: _Tracked, now: float) -> None:
+    def _log_finished(self, progress: RequestProgress, tracked: _Tracked, now: float) -> None:
         ttft = (tracked.first_token - tracked.arrival) if tracked.first_token else 0.0
-        n = len(req.output_token_ids)
+        n = progress.num_output_tokens
         decode_time = now - tracked.first_token if tracked.first_token else 0.0
         rate = (n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0
         log.info("%s: %d prompt + %d completion tokens, TTFT %.1f ms, %.1f tok/s, finish %s",
-                 req.req_id, tracked.num_prompt_tokens, n, ttft * 1e3, rate, req.finish_reason)
+                 progress.req_id, tracked.num_prompt_tokens, n, ttft * 1e3, rate,
+                 progress.finish_reason)
 
 
 def _deliver(items: list[tuple[RequestStream, Delta]]) -> None:

@@ -3,7 +3,9 @@
 Every schema forbids unknown fields, so a misspelt or unsupported option is a 400 that
 names it instead of being silently ignored. Besides OpenAI's fields, the completion
 schemas take vLLM's sampling extensions (``top_k``, ``min_tokens``, ``ignore_eos``,
-``repetition_penalty``, ``stop_token_ids``, ``skip_special_tokens``).
+``repetition_penalty``, ``stop_token_ids``, ``skip_special_tokens``) and structured
+output: OpenAI's ``response_format`` and vLLM's ``guided_json``, ``guided_regex``
+(``regex``), ``guided_grammar`` (``grammar``) and ``structured_outputs``.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.engine.structured_output import StructuredOutput
+from pagedattn.engine.interface import SamplingParams, StructuredOutput
 
 
 class APIError(Exception):
