@@ -145,6 +145,8 @@ class Grammars:
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._compile_lock = threading.Lock()
+        """One compilation at a time: the compiler object is shared by the input threads."""
         self.num_compiled = 0
         """Grammars compiled (cache misses), for tests and logs."""
 
@@ -174,7 +176,15 @@ class Grammars:
                 self._cache.move_to_end(key)
                 return hit
         compiler = self._get_compiler()
+        with self._compile_lock:
+            return self._compile_new(compiler, key)
+
+    def _compile_new(self, compiler: Any, key: tuple[str, str]) -> Any:
         kind, text = key
+        with self._lock:  # compiled by another thread while this one waited
+            hit = self._cache.get(key)
+            if hit is not None:
+                return hit
         try:
             if kind == "json":
                 compiled = compiler.compile_json_schema(text, any_whitespace=False)
