@@ -607,7 +607,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   check_lengths(qsl, sl, c.num_reqs, c.num_tokens);
   const CheckedPlan plan =
       check_plan(meta_c, c.num_reqs, c.num_heads, c.num_kv_heads, c.head_size, qsl, sl);
-  check_block_size(c.block_size, plan.hint, "kv cache");
+  check_block_size(c.block_size, "kv cache");
 
   AttnParams p = make_params(c, query, key_cache, value_cache, output, block_table, qsl, sl,
                              scale, causal, alibi_f, sliding_window_left, sliding_window_right,
