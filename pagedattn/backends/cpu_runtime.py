@@ -29,6 +29,7 @@ import torch
 from pagedattn import ops, tuning
 from pagedattn.backend import AttentionType, is_quantized_kv_cache
 from pagedattn.checks import require_int
+from pagedattn.ops import kernel_shapes
 from pagedattn.ops.isa import IsaHint
 from pagedattn.ops.reference import FP8_CACHE_DTYPES
 
@@ -44,6 +45,13 @@ def kernel_variant() -> IsaHint:
     ``vec16`` accepts every size the kernels run. Whether prefills take the matrix-engine
     kernel instead is :func:`prefill_variant`'s measured choice."""
     return IsaHint.NEON if ops.on_arm() else IsaHint.VEC16
+
+
+def block_size_problem(block_size: int) -> str | None:
+    """Why the kernels cannot read caches of ``block_size`` blocks (None: they can)."""
+    if kernel_shapes.is_supported_block_size(block_size):
+        return None
+    return f"block_size {block_size} (the kernels take {kernel_shapes.BLOCK_SIZE_RULE})"
 
 
 PREFILL_KERNEL_ENV = "PAGEDATTN_PREFILL_KERNEL"

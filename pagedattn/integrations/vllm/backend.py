@@ -55,7 +55,6 @@ from pagedattn import paging
 from pagedattn.backends import cpu_runtime
 from pagedattn.backends.cpu_attn import CPUAttentionBackend as _PagedAttnCPU
 from pagedattn.integrations.vllm import logger
-from pagedattn.ops import kernel_shapes
 from pagedattn.ops.isa import IsaHint
 from pagedattn.ops.reference import FP8_CACHE_DTYPES
 
@@ -197,7 +196,7 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
             # Not in any builder's group (e.g. a layer reading another layer's cache):
             # decide as its group would, from the layer and its cache alone.
             served = (not self.unserved_reasons() and cpu_runtime.native_available()
-                      and kernel_shapes.is_supported_block_size(block_size))
+                      and cpu_runtime.block_size_problem(block_size) is None)
             if served:
                 self.pagedattn_isa = cpu_runtime.kernel_variant()
             self.served_by_pagedattn = served
@@ -338,9 +337,9 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.dtype not in kernel_dtypes():
             reasons.append(f"dtype {self.dtype} (pagedattn's kernels take {kernel_dtypes()})")
         else:
-            if not kernel_shapes.is_supported_block_size(self.block_size):
-                reasons.append(f"block_size {self.block_size} (pagedattn's kernels take "
-                               f"{kernel_shapes.BLOCK_SIZE_RULE})")
+            problem = cpu_runtime.block_size_problem(self.block_size)
+            if problem:
+                reasons.append(problem)
         layers_by_reason: dict[str, list[str]] = {}
         for name, impl in impls.items():
             layer_reasons = (impl.unserved_reasons() if isinstance(impl, PagedAttnCPUImpl)
