@@ -248,6 +248,8 @@ def test_structured_outputs_object(server):
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "only one"),
     ({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""}, "grammar",
      "only one"),
+    # the grammar ends after one token; min_tokens would fail it mid-generation
+    ({"regex": "(left|right)", "min_tokens": 3}, "min_tokens", "min_tokens"),
 ])
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
 def test_bad_spec_is_a_400_naming_it(server, route, extra, param, needle):

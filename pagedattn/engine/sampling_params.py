@@ -108,6 +108,11 @@ class SamplingParams:
                                                                  StructuredOutput):
             raise TypeError(f"structured_output must be a StructuredOutput or None, "
                             f"got {self.structured_output!r:.100}")
+        if self.structured_output is not None and self.min_tokens > 0:
+            # the grammar may be complete before min_tokens tokens, and then no token
+            # may follow it: refused here rather than failed mid-generation
+            raise ValueError(f"min_tokens must be 0 with structured output (its grammar may "
+                             f"end sooner), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -194,7 +194,10 @@ class _Sampling(_Strict):
                 logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 structured_output=structured_output)
         except (TypeError, ValueError) as exc:
-            raise APIError(400, str(exc)) from exc
+            # SamplingParams' messages start with the field they are about
+            field = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc),
+                           param=field if field in type(self).model_fields else None) from exc
 
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
