@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linear-impl", choices=["auto", "packed", "torch"], default="auto",
                    help="pagedattn's linear layers (auto: the path measured fastest per layer "
                         "shape and row count on this machine)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="pagedattn with EngineArgs.batch_invariant (the cost of the mode)")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = args.hf_dir or os.path.expanduser(f"~/.cache/pagedattn/{args.model}-hf")
 
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
-              kv_cache_memory="1GiB", linear_impl=args.linear_impl)
+              kv_cache_memory="1GiB", linear_impl=args.linear_impl,
+              batch_invariant=args.batch_invariant)
     loads = workloads(llm.tokenizer, args.scale)
     for name, (prompts, n) in loads.items():
         lens = sorted(map(len, prompts))

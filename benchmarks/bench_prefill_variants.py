@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     heads, kv_heads = (int(x) for x in args.heads.split("/"))
     geometry = cpu_runtime.PlanGeometry(heads, kv_heads, args.head_size, dtype, -1)
-    vector = cpu_runtime.kernel_variant(args.block_size, dtype)
+    vector = cpu_runtime.kernel_variant()
     print(f"{args.dtype}, {heads}/{kv_heads} heads x {args.head_size}, block "
           f"{args.block_size}, {args.threads} threads; bf16 microkernel: "
           f"{bool(torch.ops.pagedattn.matrix_engine_bf16())}")

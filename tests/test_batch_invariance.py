@@ -39,7 +39,7 @@ def _attend(reqs, caches, geometry, block_size, batch_invariant):
     table = torch.zeros(len(reqs), width, dtype=torch.int32)
     for i, (_, _, blocks) in enumerate(reqs):
         table[i, : blocks.numel()] = blocks
-    variant = cpu_runtime.kernel_variant(block_size, geometry.dtype)
+    variant = cpu_runtime.kernel_variant()
     plan = cpu_runtime.plan_step(geometry, variant, qsl, lens, True, batch_invariant)
     out = torch.empty_like(query)
     cpu_runtime.attend(query, *caches, out, query_start_loc=qsl, seq_lens=lens,

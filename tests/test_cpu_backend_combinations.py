@@ -255,14 +255,14 @@ def test_rejected_head_size_raises_from_the_op_naming_the_rule(head):
 
 
 @pytest.mark.parametrize("block", [2, 24, 528])
-def test_rejected_block_size_raises_from_config_and_hint_naming_the_rule(block):
-    from pagedattn.backends.cpu_runtime import kernel_variant
+def test_rejected_block_size_raises_from_config_and_the_engine_naming_the_rule(block):
+    from pagedattn.engine.args import EngineArgs
 
     with pytest.raises(ValueError, match=f"block_size must be one of .* got {block}"):
         CacheConfig(block_size=block)
-    with pytest.raises(ValueError, match=f"block_size {block} is not supported; expected 1, 8 "
-                                         "or a multiple of 16 up to 512"):
-        kernel_variant(block, torch.bfloat16)
+    with pytest.raises(ValueError, match=f"block_size must be one of .*1, 8 or a multiple of "
+                                         f"16 up to 512.* got {block}"):
+        EngineArgs(block_size=block)
 
 
 def test_rejected_cache_dtype_raises_from_the_impl():

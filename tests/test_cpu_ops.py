@@ -72,7 +72,7 @@ def run_native(batch, args, *, block_size, enable_kv_split=True, hint=None, k_sc
                v_scale=1.0):
     num_heads, head_size = batch.query.shape[1:]
     num_kv_heads = batch.key_cache.shape[1]
-    hint = hint or kernel_variant(block_size, batch.query.dtype)
+    hint = hint or kernel_variant()
     window = args["sliding_window"]
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(batch.spec.seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -336,7 +336,7 @@ def test_reshape_and_cache_matches_reference(isa, block_size, dtype_name):
     want_v = torch.zeros_like(batch.value_cache)
     got_k, got_v = want_k.clone(), want_v.clone()
     ref.cpu_attn_reshape_and_cache(key, value, want_k, want_v, slots)
-    hint = kernel_variant(block_size, batch.query.dtype)
+    hint = kernel_variant()
     ops.cpu_attn_reshape_and_cache(key, value, got_k, got_v, slots, hint)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
@@ -351,7 +351,7 @@ def test_cache_then_attend_equals_reference_end_to_end(isa):
         (batch.block_table[r, torch.arange(n) // 32].long() * 32 + torch.arange(n) % 32)
         for r, n in enumerate(batch.spec.seq_lens)
     ])
-    hint = kernel_variant(32, torch.bfloat16)
+    hint = kernel_variant()
     ops.cpu_attn_reshape_and_cache(torch.cat(batch.keys), torch.cat(batch.values),
                                    key_cache, value_cache, all_slots, hint)
     rebuilt = type(batch)(**{**batch.__dict__, "key_cache": key_cache, "value_cache": value_cache})

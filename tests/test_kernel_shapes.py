@@ -76,4 +76,4 @@ def test_cpp_block_size_check_agrees_value_by_value():
         else:
             with pytest.raises(ValueError, match=f"block_size {bs} is not supported"):
                 torch.ops.pagedattn.cpu_attn_reshape_and_cache(
-                    key, key, cache, cache.clone(), slots, ops.IsaHint.VEC16.code)
+                    key, key, cache, cache.clone(), slots)

@@ -118,15 +118,23 @@ def test_env_var_naming_a_bad_isa_raises_on_use(value, pattern):
 
 
 @native
-def test_select_hint_follows_block_size():
-    # The vector variant of a cache; prefill_variant may pick 'amx' on top (measured).
-    assert kernel_variant(16, torch.bfloat16) in ("vec16", "neon")
-    assert kernel_variant(64, torch.float32) in ("vec", "neon")
-    assert kernel_variant(48, torch.float32) in ("vec16", "neon")
-    assert kernel_variant(8, torch.float32) in ("vec16", "neon")
-    for bad in (2, 24, 528):
-        with pytest.raises(ValueError, match=f"block_size {bad}"):
-            kernel_variant(bad, torch.float32)
+def test_the_vector_variant_takes_every_block_size_and_the_hints_keep_vllms_contract():
+    # One vector variant whatever the block size (prefill_variant may pick 'amx' on top):
+    # the kernels read the size from the cache. vLLM's hint strings keep their contract at
+    # the public wrappers: 'vec' admits multiples of 32, 'vec16' of 16.
+    assert kernel_variant() in ("vec16", "neon")
+    key = torch.randn(1, 1, 32)
+    slots = torch.tensor([3])
+    for block in (8, 16, 48, 64):
+        cache = torch.zeros(2, 1, block, 32)
+        torch.ops.pagedattn.cpu_attn_reshape_and_cache(key, key, cache, cache.clone(), slots)
+        assert torch.equal(cache[0, 0, 3], key[0, 0])
+        ops.cpu_attn_reshape_and_cache(key, key, cache, cache.clone(), slots, "vec16")
+        if block % 32 and block >= 16:
+            with pytest.raises(ValueError, match=rf"block_size {block} .*'vec'.*32"):
+                ops.cpu_attn_reshape_and_cache(key, key, cache, cache.clone(), slots, "vec")
+        else:
+            ops.cpu_attn_reshape_and_cache(key, key, cache, cache.clone(), slots, "vec")
 
 
 @native
@@ -285,7 +293,7 @@ def test_opcheck_reshape_and_cache():
     kc, vc = torch.zeros_like(batch.key_cache), torch.zeros_like(batch.value_cache)
     torch.library.opcheck(
         torch.ops.pagedattn.cpu_attn_reshape_and_cache.default,
-        (batch.new_keys, batch.new_values, kc, vc, batch.slot_mapping, IsaHint.VEC16.code))
+        (batch.new_keys, batch.new_values, kc, vc, batch.slot_mapping))
 
 
 @native
@@ -308,7 +316,7 @@ def test_torch_compile_fullgraph_runs_the_ops():
     def step(q, k, v, kc, vc, slots, qsl, seq_lens, bt):
         meta = torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(
             2, 4, 2, 32, seq_lens, q.dtype, qsl, True, -1, IsaHint.VEC16.code, True)
-        torch.ops.pagedattn.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, IsaHint.VEC16.code)
+        torch.ops.pagedattn.cpu_attn_reshape_and_cache(k, v, kc, vc, slots)
         out = torch.empty_like(q)
         torch.ops.pagedattn.cpu_attention_with_kv_cache(
             q, kc, vc, out, qsl, seq_lens, 32 ** -0.5, True, None, -1, -1, bt, 0.0, meta, None)

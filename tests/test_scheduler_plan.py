@@ -23,7 +23,7 @@ def metadata_for(batch, *, split=True, window=-1, seq_lens=None, query_start_loc
         len(batch.spec.seq_lens), num_heads, batch.key_cache.shape[1], head_size,
         batch.seq_lens if seq_lens is None else seq_lens, batch.query.dtype,
         batch.query_start_loc if query_start_loc is None else query_start_loc, True, window,
-        kernel_variant(batch.key_cache.shape[2], batch.query.dtype), split)
+        kernel_variant(), split)
 
 
 def attend(batch, meta, args):

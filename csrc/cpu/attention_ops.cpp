@@ -93,6 +93,89 @@ void check_lengths(const int32_t* qsl, const int32_t* sl, int64_t num_reqs, int6
 }
 }  // namespace
 
+namespace {
+// The work partition of one step, before it is written into the metadata tensor.
+struct StepPlan {
+  struct Job {
+    int32_t f[kJobFields];
+    int64_t cost;
+  };
+  std::vector<int32_t> splits_of;  // per request
+  std::vector<Job> jobs;           // longest first
+  std::vector<std::array<int32_t, kMergeFields>> merges;
+  int64_t num_slots = 0, slot_rows = 0;
+  bool any_grouped = false;
+};
+
+struct PlanShape {
+  int64_t num_reqs, num_kv_heads, group, tile, threads;
+  bool enable_kv_split, batch_invariant;
+};
+
+// Split the key range of single-tile (decode-like) requests only when there are too few
+// items to keep every thread busy. The window hint is not used, so results never depend
+// on it (the op cuts the chunks from each call's visible range). A batch-invariant plan
+// never splits keys (a split row's sums would depend on its batch-mates); it spreads
+// decode-like requests over groups of kv heads instead, which leaves each row's
+// arithmetic as it was (the generic kernel's rows are independent of their item).
+StepPlan partition_step(const PlanShape& s, const int32_t* qsl, const int32_t* sl) {
+  const int64_t target = 4 * s.threads, kvh = s.num_kv_heads;
+  int64_t base_items = 0;  // counted up to target only (no overflow for huge batches)
+  for (int64_t r = 0; r < s.num_reqs && base_items < target; ++r) {
+    const int64_t q_len = qsl[r + 1] - qsl[r];  // decode-like requests: one item, all heads
+    base_items += q_len <= s.tile ? 1 : std::min(target, kvh * ceil_div(q_len, s.tile));
+  }
+  const bool few = base_items > 0 && base_items < target;
+  const int64_t head_groups =
+      s.batch_invariant && few ? std::min(kvh, ceil_div(target, base_items)) : 1;
+  const int64_t decode_heads_per_item = ceil_div(kvh, head_groups);
+  const auto i32 = [](int64_t v) { return static_cast<int32_t>(v); };
+  StepPlan plan;
+  plan.splits_of.resize(s.num_reqs);
+  for (int64_t r = 0; r < s.num_reqs; ++r) {
+    const int64_t q_len = qsl[r + 1] - qsl[r], kv_len = sl[r];
+    const bool decode_like = q_len <= s.tile;
+    int64_t splits = 1;
+    if (s.enable_kv_split && !s.batch_invariant && decode_like && few)
+      splits = std::min({ceil_div(target, base_items), kMaxSplits,
+                         std::max<int64_t>(1, kv_len / kMinSplitKeys)});
+    plan.splits_of[r] = i32(splits);
+    if (q_len == 0) continue;
+    // Decode-like requests (one query tile) get items spanning every kv head (WorkItem),
+    // or a group of them (batch-invariant plans of small batches).
+    const int64_t heads_per_item = decode_like ? decode_heads_per_item : 1;
+    plan.any_grouped |= decode_like;
+    for (int64_t h = 0; h < kvh; h += heads_per_item) {
+      const int64_t item_heads = std::min(heads_per_item, kvh - h);
+      for (int64_t t = 0; t < q_len; t += s.tile) {
+        const int64_t qe = std::min(q_len, t + s.tile);
+        const int64_t rows = (qe - t) * s.group * item_heads;
+        if (splits == 1) {
+          plan.jobs.push_back({{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), -1, 1, -1},
+                               rows * std::max<int64_t>(kv_len, 1)});
+          continue;
+        }
+        // One merge per kv head: the partials were written by every thread, and per-head
+        // merges spread those (mostly cross-core) reads over the threads too.
+        for (int64_t k = 0; k < item_heads; ++k)
+          plan.merges.push_back({i32(r), i32(h + k), i32(t), i32(qe), i32(plan.num_slots),
+                                 i32(splits), i32(k * (qe - t) * s.group), 0});
+        for (int64_t sp = 0; sp < splits; ++sp)
+          plan.jobs.push_back({{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), i32(sp),
+                                i32(splits), i32(plan.num_slots + sp)},
+                               rows * ceil_div(kv_len, splits)});
+        plan.num_slots += splits;
+        plan.slot_rows = std::max(plan.slot_rows, rows);
+      }
+    }
+  }
+  // Longest first, handed out dynamically: balances mixed prefill/decode batches.
+  std::stable_sort(plan.jobs.begin(), plan.jobs.end(),
+                   [](const StepPlan::Job& a, const StepPlan::Job& b) { return a.cost > b.cost; });
+  return plan;
+}
+}  // namespace
+
 at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
                                            int64_t num_kv_heads, int64_t head_dim,
                                            const at::Tensor& seq_lens, at::ScalarType dtype,
@@ -126,105 +209,42 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
   const int64_t threads = at::get_num_threads();
   const int64_t group = num_heads / num_kv_heads;
   const int64_t tile = q_tile_tokens_for(group, hint);
+  const StepPlan plan = partition_step(
+      {num_reqs, num_kv_heads, group, tile, threads, enable_kv_split, batch_invariant}, qsl,
+      sl);
 
-  // Split the key range of single-tile (decode-like) requests only when there are too few
-  // items to keep every thread busy. The window hint is not used, so results never depend
-  // on it (the op cuts the chunks from each call's visible range). A batch-invariant plan
-  // never splits keys (a split row's sums would depend on its batch-mates); it spreads
-  // decode-like requests over groups of kv heads instead, which leaves each row's
-  // arithmetic as it was (the generic kernel's rows are independent of their item).
-  const int64_t target = 4 * threads;
-  int64_t base_items = 0;  // counted up to target only (no overflow for huge batches)
-  for (int64_t r = 0; r < num_reqs && base_items < target; ++r) {
-    const int64_t q_len = qsl[r + 1] - qsl[r];  // decode-like requests: one item, all heads
-    base_items += q_len <= tile ? 1 : std::min(target, num_kv_heads * ceil_div(q_len, tile));
-  }
-  const int64_t decode_head_groups =
-      batch_invariant && base_items > 0 && base_items < target
-          ? std::min(num_kv_heads, ceil_div(target, base_items))
-          : 1;
-  const int64_t decode_heads_per_item = ceil_div(num_kv_heads, decode_head_groups);
-  struct Job {
-    int32_t f[kJobFields];
-    int64_t cost;
-  };
-  std::vector<int32_t> splits_of(num_reqs);
-  std::vector<Job> jobs;
-  std::vector<std::array<int32_t, kMergeFields>> merges;
-  int64_t num_slots = 0, slot_rows = 0;
-  bool any_grouped = false;
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t q_len = qsl[r + 1] - qsl[r], kv_len = sl[r];
-    int64_t splits = 1;
-    if (enable_kv_split && !batch_invariant && q_len <= tile && base_items > 0 &&
-        base_items < target)
-      splits = std::min({ceil_div(target, base_items), kMaxSplits,
-                         std::max<int64_t>(1, kv_len / kMinSplitKeys)});
-    splits_of[r] = static_cast<int32_t>(splits);
-    if (q_len == 0) continue;
-    // Decode-like requests (one query tile) get items spanning every kv head (WorkItem),
-    // or a group of them (batch-invariant plans of small batches).
-    const int64_t heads_per_item = q_len <= tile ? decode_heads_per_item : 1;
-    any_grouped |= q_len <= tile;
-    const auto i32 = [](int64_t v) { return static_cast<int32_t>(v); };
-    for (int64_t h0 = 0; h0 < num_kv_heads; h0 += heads_per_item) {
-      const int64_t h = h0, item_heads = std::min(heads_per_item, num_kv_heads - h0);
-      for (int64_t t = 0; t < q_len; t += tile) {
-        const int64_t qe = std::min(q_len, t + tile);
-        const int64_t rows = (qe - t) * group * item_heads;
-        if (splits == 1) {
-          jobs.push_back({{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), -1, 1, -1},
-                          rows * std::max<int64_t>(kv_len, 1)});
-          continue;
-        }
-        // One merge per kv head: the partials were written by every thread, and per-head
-        // merges spread those (mostly cross-core) reads over the threads too.
-        for (int64_t k = 0; k < item_heads; ++k)
-          merges.push_back({i32(r), i32(h + k), i32(t), i32(qe), i32(num_slots), i32(splits),
-                            i32(k * (qe - t) * group), 0});
-        for (int64_t s = 0; s < splits; ++s)
-          jobs.push_back({{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), i32(s),
-                           i32(splits), i32(num_slots + s)},
-                          rows * ceil_div(kv_len, splits)});
-        num_slots += splits;
-        slot_rows = std::max(slot_rows, rows);
-      }
-    }
-  }
-  // Longest first, handed out dynamically: balances mixed prefill/decode batches.
-  std::stable_sort(jobs.begin(), jobs.end(),
-                   [](const Job& a, const Job& b) { return a.cost > b.cost; });
-  const int64_t num_jobs = static_cast<int64_t>(jobs.size());
-  const int64_t num_merges = static_cast<int64_t>(merges.size());
+  const int64_t num_jobs = static_cast<int64_t>(plan.jobs.size());
+  const int64_t num_merges = static_cast<int64_t>(plan.merges.size());
   const int64_t jobs_at = kMetaHeaderSize + kMetaFieldsPerReq * num_reqs;
   const int64_t numel = jobs_at + kJobFields * num_jobs + kMergeFields * num_merges;
-  TORCH_CHECK_VALUE(numel <= INT32_MAX && num_slots <= INT32_MAX, op, ": the batch needs ",
+  TORCH_CHECK_VALUE(numel <= INT32_MAX && plan.num_slots <= INT32_MAX, op, ": the batch needs ",
                     num_jobs, " work items; at most ", INT32_MAX / kJobFields, " are supported");
 
   at::Tensor meta = at::zeros({numel}, at::kInt);
   int32_t* md = meta.data_ptr<int32_t>();
+  const auto i32 = [](int64_t v) { return static_cast<int32_t>(v); };
   md[kMetaMagic] = kMetaMagicValue;
   md[kMetaVersion] = kMetaVersionValue;
-  md[kMetaNumReqs] = static_cast<int32_t>(num_reqs);
-  md[kMetaNumHeads] = static_cast<int32_t>(num_heads);
-  md[kMetaNumKvHeads] = static_cast<int32_t>(num_kv_heads);
-  md[kMetaHeadDim] = static_cast<int32_t>(head_dim);
-  md[kMetaNumThreads] = static_cast<int32_t>(threads);
-  md[kMetaHint] = static_cast<int32_t>(hint);
+  md[kMetaNumReqs] = i32(num_reqs);
+  md[kMetaNumHeads] = i32(num_heads);
+  md[kMetaNumKvHeads] = i32(num_kv_heads);
+  md[kMetaHeadDim] = i32(head_dim);
+  md[kMetaNumThreads] = i32(threads);
+  md[kMetaHint] = i32(static_cast<int64_t>(hint));
   md[kMetaCausal] = causal ? 1 : 0;
   md[kMetaEnableKvSplit] = enable_kv_split ? 1 : 0;
-  md[kMetaQTileTokens] = static_cast<int32_t>(tile);
-  md[kMetaNumJobs] = static_cast<int32_t>(num_jobs);
-  md[kMetaNumMerges] = static_cast<int32_t>(num_merges);
-  md[kMetaNumSlots] = static_cast<int32_t>(num_slots);
-  md[kMetaSlotRows] = static_cast<int32_t>(slot_rows);
-  md[kMetaMaxRows] = static_cast<int32_t>(tile * group * (any_grouped ? num_kv_heads : 1));
+  md[kMetaQTileTokens] = i32(tile);
+  md[kMetaNumJobs] = i32(num_jobs);
+  md[kMetaNumMerges] = i32(num_merges);
+  md[kMetaNumSlots] = i32(plan.num_slots);
+  md[kMetaSlotRows] = i32(plan.slot_rows);
+  md[kMetaMaxRows] = i32(tile * group * (plan.any_grouped ? num_kv_heads : 1));
   md[kMetaBatchInvariant] = batch_invariant ? 1 : 0;
   for (int64_t r = 0; r < num_reqs; ++r)
-    md[kMetaHeaderSize + r * kMetaFieldsPerReq + kReqNumKvSplits] = splits_of[r];
+    md[kMetaHeaderSize + r * kMetaFieldsPerReq + kReqNumKvSplits] = plan.splits_of[r];
   int32_t* out = md + jobs_at;
-  for (const Job& j : jobs) out = std::copy(j.f, j.f + kJobFields, out);
-  for (const auto& m : merges) out = std::copy(m.begin(), m.end(), out);
+  for (const auto& j : plan.jobs) out = std::copy(j.f, j.f + kJobFields, out);
+  for (const auto& m : plan.merges) out = std::copy(m.begin(), m.end(), out);
   md[kMetaChecksum] = plan_checksum(md, numel, qsl, sl, num_reqs);
   return meta;
 }
@@ -607,7 +627,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
   check_lengths(qsl, sl, c.num_reqs, c.num_tokens);
   const CheckedPlan plan =
       check_plan(meta_c, c.num_reqs, c.num_heads, c.num_kv_heads, c.head_size, qsl, sl);
-  check_block_size(c.block_size, plan.hint, "kv cache");
+  check_block_size(c.block_size, "kv cache");
 
   AttnParams p = make_params(c, query, key_cache, value_cache, output, block_table, qsl, sl,
                              scale, causal, alibi_f, sliding_window_left, sliding_window_right,

@@ -58,15 +58,12 @@ inline void check_head_size(int64_t hs, const char* what) {
                     " is not supported; expected ", kHeadSizeRule);
 }
 
-// vLLM's hints name variants for multiples of 16 and check those; the small block sizes
-// (1, 8), which no vLLM CPU variant runs, are served under any hint.
-inline void check_block_size(int64_t bs, IsaHint hint, const char* what) {
+// The kernels read the block size from the cache tensor and run every supported one under
+// any hint; which sizes vLLM's hint strings admit is the public wrappers' contract
+// (pagedattn.ops), not the kernels'.
+inline void check_block_size(int64_t bs, const char* what) {
   TORCH_CHECK_VALUE(is_supported_block_size(bs), what, " block_size ", bs,
                     " is not supported; expected ", kBlockSizeRule);
-  const int64_t mult = isa_hint_block_multiple(static_cast<int64_t>(hint));
-  TORCH_CHECK_VALUE(bs < 16 || bs % mult == 0, what, " block_size ", bs, " does not suit isa hint '",
-                    isa_hint_name(static_cast<int64_t>(hint)), "', which needs a multiple of ",
-                    mult);
 }
 
 inline void check_cpu(const at::Tensor& t, const char* name) {

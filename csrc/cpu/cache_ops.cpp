@@ -33,9 +33,7 @@ void quantize_row_any(uint8_t* dst, const char* src, at::ScalarType t, int64_t n
 
 void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                                 at::Tensor& key_cache, at::Tensor& value_cache,
-                                const at::Tensor& slot_mapping, int64_t isa, double k_scale,
-                                double v_scale) {
-  const IsaHint hint = check_isa_hint(isa, "cpu_attn_reshape_and_cache");
+                                const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   check_cache_pair(key_cache, value_cache);
   check_cpu(key, "key");
   check_cpu(value, "value");
@@ -59,7 +57,7 @@ void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
   TORCH_CHECK_VALUE(key.size(1) == kvh && key.size(2) == hs, "key shape ", key.sizes(),
                     " does not match the cache's num_kv_heads ", kvh, " and head_size ", hs);
   check_head_size(hs, "kv cache");
-  check_block_size(bs, hint, "kv cache");
+  check_block_size(bs, "kv cache");
   for (const auto* t : {&key, &value})
     TORCH_CHECK_VALUE(t->size(2) <= 1 || t->stride(2) == 1,
                       "key/value last dim must be contiguous, got strides ", t->strides());
@@ -125,7 +123,7 @@ void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
 TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def(
       "cpu_attn_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, Tensor slot_mapping, int isa, float k_scale=1.0, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, float k_scale=1.0, "
       "float v_scale=1.0) -> ()");
 }
 

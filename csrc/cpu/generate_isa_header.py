@@ -53,16 +53,14 @@ def render(isa) -> str:
             "constexpr CpuIsa kX86Preference[] = {"
             + ", ".join(f"CpuIsa::{camel(n)}" for n in isa.X86_PREFERENCE) + "};", ""]
 
-    out += ["// vLLM kernel-variant hints (IsaHint.code in Python) and their block multiples.",
+    out += ["// vLLM kernel-variant hints (IsaHint.code in Python). The block sizes each admits",
+            "// are the public wrappers' contract (pagedattn.ops), not the kernels'.",
             "enum class IsaHint : int64_t {"]
     out += [f"  {camel(n)} = {i}," for i, (n, _) in enumerate(isa.ISA_HINTS)]
     out += ["};", f"constexpr int64_t kNumIsaHints = {len(isa.ISA_HINTS)};", ""]
     out += ["inline const char* isa_hint_name(int64_t code) {", "  switch (code) {"]
     out += [f'    case {i}: return "{n}";' for i, (n, _) in enumerate(isa.ISA_HINTS)]
     out += ['    default: return "<invalid>";', "  }", "}", ""]
-    out += ["inline int64_t isa_hint_block_multiple(int64_t code) {", "  switch (code) {"]
-    out += [f"    case {i}: return {m};" for i, (_, m) in enumerate(isa.ISA_HINTS)]
-    out += ["    default: return 0;", "  }", "}", ""]
     out += [f'constexpr const char* kIsaHintNameList = "{", ".join(n for n, _ in isa.ISA_HINTS)}";',
             ""]
 

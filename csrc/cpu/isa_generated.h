@@ -31,7 +31,8 @@ constexpr const char* kCpuIsaNameList = "scalar, avx2, avx512, avx512bf16, neon"
 // x86 run-time preference, best first.
 constexpr CpuIsa kX86Preference[] = {CpuIsa::kAvx512bf16, CpuIsa::kAvx512, CpuIsa::kAvx2, CpuIsa::kScalar};
 
-// vLLM kernel-variant hints (IsaHint.code in Python) and their block multiples.
+// vLLM kernel-variant hints (IsaHint.code in Python). The block sizes each admits
+// are the public wrappers' contract (pagedattn.ops), not the kernels'.
 enum class IsaHint : int64_t {
   kVec = 0,
   kVec16 = 1,
@@ -47,16 +48,6 @@ inline const char* isa_hint_name(int64_t code) {
     case 2: return "neon";
     case 3: return "amx";
     default: return "<invalid>";
-  }
-}
-
-inline int64_t isa_hint_block_multiple(int64_t code) {
-  switch (code) {
-    case 0: return 32;
-    case 1: return 16;
-    case 2: return 16;
-    case 3: return 16;
-    default: return 0;
   }
 }
 

@@ -221,7 +221,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
                                                       self.head_dim, self.dtype, self.window_size)
         # A batch-invariant plan needs the vector kernels: the matrix-engine kernel's
         # arithmetic for a row depends on its query tile.
-        self.isa = (cpu_runtime.kernel_variant(self.block_size, self.dtype) if batch_invariant
+        self.isa = (cpu_runtime.kernel_variant() if batch_invariant
                     else cpu_runtime.prefill_variant(self.plan_geometry, self.block_size,
                                                      kv_cache_spec.dtype))
         if self.window_size != -1 or kv_cache_spec.dtype.itemsize == 1:
@@ -379,7 +379,7 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
 
     def _write_cache(self, key, value, key_cache, value_cache, md: CPUAttentionMetadata,
                      k_scale: float, v_scale: float) -> None:
-        cpu_runtime.write_cache(key, value, key_cache, value_cache, md.slot_mapping, md.isa,
+        cpu_runtime.write_cache(key, value, key_cache, value_cache, md.slot_mapping,
                                 k_scale, v_scale)
 
     def _attend(self, query, key_cache, value_cache, output, query_start_loc, seq_lens,

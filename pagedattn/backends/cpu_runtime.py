@@ -4,7 +4,7 @@ CPU_ATTN (and through it the engine) and the vLLM plugin both call these functio
 other module calls ``torch.ops.pagedattn``'s attention ops. The runtime owns the choices
 every caller would otherwise re-derive:
 
-* the kernel variant for a cache (:func:`kernel_variant`), and for a layer geometry's
+* the vector-kernel variant (:func:`kernel_variant`), and for a layer geometry's
   prefills the vector kernels or the matrix-engine kernel, measured
   (:func:`prefill_variant`);
 * the window pair of a layer (:func:`window_pair`) and its fp8 cache dtype
@@ -38,15 +38,20 @@ native_available = ops.native_available
 """Whether the native kernels are loaded (else every call runs the reference)."""
 
 
-def kernel_variant(block_size: int, dtype: torch.dtype) -> IsaHint:
-    """The vector-kernel variant for a cache of ``block_size`` and ``dtype``: ``neon`` on
-    Arm, else ``vec`` (block % 32 == 0) or ``vec16`` (the rest). Whether prefills take the
-    matrix-engine kernel instead is :func:`prefill_variant`'s measured choice. ValueError
-    for block sizes the kernels reject."""
-    kernel_shapes.check_block_size(block_size)
-    if ops.on_arm():
-        return IsaHint.NEON
-    return IsaHint.VEC if block_size % 32 == 0 else IsaHint.VEC16
+def kernel_variant() -> IsaHint:
+    """The vector kernels' variant: ``neon`` on Arm, else ``vec16``. The kernels read the
+    block size from the cache tensor; vLLM's hints ``vec`` and ``vec16`` name the same
+    kernels and differ only in the block sizes the public ops accept under them, and
+    ``vec16`` accepts every size the kernels run. Whether prefills take the matrix-engine
+    kernel instead is :func:`prefill_variant`'s measured choice."""
+    return IsaHint.NEON if ops.on_arm() else IsaHint.VEC16
+
+
+def block_size_problem(block_size: int) -> str | None:
+    """Why the kernels cannot read caches of ``block_size`` blocks (None: they can)."""
+    if kernel_shapes.is_supported_block_size(block_size):
+        return None
+    return f"block_size {block_size} (the kernels take {kernel_shapes.BLOCK_SIZE_RULE})"
 
 
 PREFILL_KERNEL_ENV = "PAGEDATTN_PREFILL_KERNEL"
@@ -65,7 +70,7 @@ def prefill_variant(geometry: "PlanGeometry", block_size: int,
     :mod:`pagedattn.tuning` (cached per machine; ``PAGEDATTN_PREFILL_KERNEL`` forces one).
     Decode items run the vector kernels under either, so the choice only moves prefills;
     each item's kernel depends on its own rows alone, never on its batch-mates."""
-    vector = kernel_variant(block_size, geometry.dtype)
+    vector = kernel_variant()
     if vector is IsaHint.NEON or not ops.matrix_engine_available():
         return vector
     cache_dtype = cache_dtype or geometry.dtype
@@ -185,15 +190,15 @@ def split_queries_longer_than_keys(
 
 
 def write_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, slot_mapping: torch.Tensor, variant: IsaHint,
+                value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store this step's keys and values at their slots (fp8 caches: ``x / scale``)."""
     if ops.native_available():
         torch.ops.pagedattn.cpu_attn_reshape_and_cache(
-            key, value, key_cache, value_cache, slot_mapping, variant.code, k_scale, v_scale)
+            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     else:
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                       variant, k_scale=k_scale, v_scale=v_scale)
+                                       kernel_variant(), k_scale=k_scale, v_scale=v_scale)
 
 
 def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

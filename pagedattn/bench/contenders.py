@@ -252,7 +252,7 @@ class PagedattnContender(Contender):
         from pagedattn.backends.cpu_runtime import PlanGeometry, kernel_variant, prefill_variant
 
         kc, vc = inputs.key_cache, inputs.value_cache
-        isa = kernel_variant(s.block_size, s.torch_dtype)
+        isa = kernel_variant()
         note = "" if ops.native_available() else "native extension not loaded: reference fallback"
         if s.kind != "reshape_and_cache" and ops.native_available():
             # The engine's measured choice for this geometry (vector or matrix prefills).

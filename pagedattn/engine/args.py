@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from pagedattn.checks import is_int, require_choice, require_int
+from pagedattn.config import validate_block_size
 from pagedattn.engine.scheduler import SCHEDULING_POLICIES
 from pagedattn.ops import reference
 
@@ -158,7 +159,8 @@ class EngineArgs:
                              "prefill_attention must be 'auto' or 'kernel', got 'flash'")
         set_("linear_dtype", self._resolve_linear_dtype())
         set_("kv_cache_memory", parse_bytes(self.kv_cache_memory))
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        validate_block_size(self.block_size)  # the one check: it flows down as a value
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
             require_int(name, getattr(self, name), 1)
         require_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         require_int("seed", self.seed, 0)

@@ -36,6 +36,7 @@ from pagedattn.ops import _native, kernel_shapes
 from pagedattn.ops._native import metadata_numel
 from pagedattn.ops.reference import LINEAR_PANEL
 from pagedattn.ops.isa import (
+    ISA_HINTS,
     METADATA_HEADER,
     METADATA_MAGIC,
     METADATA_VERSION,
@@ -281,12 +282,39 @@ def cpu_attn_reshape_and_cache(
     """
     hint = _parse_hint(isa)
     ks, vs = _kv_scale(k_scale, "k_scale"), _kv_scale(v_scale, "v_scale")
+    _check_hint_block_size(hint, key_cache)
     if not native_available():
         _fallback("cpu_attn_reshape_and_cache").cpu_attn_reshape_and_cache(
             key, value, key_cache, value_cache, slot_mapping, hint.value, ks, vs)
         return
     torch.ops.pagedattn.cpu_attn_reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, hint.code, ks, vs)
+        key, value, key_cache, value_cache, slot_mapping, ks, vs)
+
+
+def _planned_hint(scheduler_metadata) -> IsaHint | None:
+    """The hint a plan was made under (None for anything that is not a plan: the op's
+    own checks then name the problem)."""
+    if (not isinstance(scheduler_metadata, torch.Tensor) or scheduler_metadata.dim() != 1
+            or scheduler_metadata.dtype != torch.int32
+            or scheduler_metadata.numel() < len(METADATA_HEADER)
+            or int(scheduler_metadata[0]) != METADATA_MAGIC
+            or int(scheduler_metadata[1]) != METADATA_VERSION):
+        return None
+    code = int(scheduler_metadata[METADATA_HEADER.index("hint")])
+    return IsaHint(ISA_HINTS[code][0]) if 0 <= code < len(ISA_HINTS) else None
+
+
+def _check_hint_block_size(hint: IsaHint | None, key_cache) -> None:
+    """vLLM's contract for its hint strings: ``vec`` takes caches whose block size is a
+    multiple of 32, the others multiples of 16 (the small sizes 1 and 8, which no vLLM
+    variant runs, under any hint). The kernels themselves run every supported size under
+    every hint, so this is checked here, at the public boundary, and nowhere below."""
+    if hint is None or not isinstance(key_cache, torch.Tensor) or key_cache.dim() != 4:
+        return
+    block_size = key_cache.shape[2]
+    if block_size >= 16 and block_size % hint.block_multiple:
+        raise ValueError(f"kv cache block_size {block_size} does not suit isa hint "
+                         f"'{hint.value}', which needs a multiple of {hint.block_multiple}")
 
 
 def _kv_scale(scale: torch.Tensor | float, name: str) -> float:
@@ -363,6 +391,7 @@ def cpu_attention_with_kv_cache(
     """
     left, right = _window_pair(sliding_window)
     ks, vs = _kv_scale(k_scale, "k_scale"), _kv_scale(v_scale, "v_scale")
+    _check_hint_block_size(_planned_hint(scheduler_metadata), key_cache)
     if not native_available():
         _fallback("cpu_attention_with_kv_cache").cpu_attention_with_kv_cache(
             query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,

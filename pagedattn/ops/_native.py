@@ -59,7 +59,7 @@ if AVAILABLE:
     # The two mutating ops return nothing: their fakes only have to exist (the mutation is
     # declared in the schema with Tensor(a!), which functionalization relies on).
     @torch.library.register_fake("pagedattn::cpu_attn_reshape_and_cache")
-    def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, isa,
+    def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping,
                                 k_scale=1.0, v_scale=1.0):
         return None
 

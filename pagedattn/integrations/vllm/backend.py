@@ -195,12 +195,10 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
         if self.served_by_pagedattn is None:
             # Not in any builder's group (e.g. a layer reading another layer's cache):
             # decide as its group would, from the layer and its cache alone.
-            served = not self.unserved_reasons() and cpu_runtime.native_available()
+            served = (not self.unserved_reasons() and cpu_runtime.native_available()
+                      and cpu_runtime.block_size_problem(block_size) is None)
             if served:
-                try:
-                    self.pagedattn_isa = cpu_runtime.kernel_variant(block_size, self._model_dtype)
-                except ValueError:
-                    served = False
+                self.pagedattn_isa = cpu_runtime.kernel_variant()
             self.served_by_pagedattn = served
         return self.served_by_pagedattn
 
@@ -245,7 +243,7 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
                 )
             key_cache, value_cache = attn_metadata.encoder_cache.unbind(0)
             cpu_runtime.write_cache(key, value, key_cache, value_cache,
-                                    attn_metadata.slot_mapping, IsaHint(attn_metadata.isa))
+                                    attn_metadata.slot_mapping)
         else:
             key_cache, value_cache = split_kv_cache(kv_cache, self.kv_cache_dtype)
         _SERVED_CALLS[0] += 1
@@ -271,8 +269,7 @@ class PagedAttnCPUImpl(CPUAttentionBackendImpl):
             return
         key_cache, value_cache = split_kv_cache(kv_cache, self.kv_cache_dtype)
         cpu_runtime.write_cache(key, value, key_cache, value_cache, slot_mapping,
-                                IsaHint(self.pagedattn_isa), layer._k_scale_float,
-                                layer._v_scale_float)
+                                layer._k_scale_float, layer._v_scale_float)
 
 
 class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -340,10 +337,9 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.dtype not in kernel_dtypes():
             reasons.append(f"dtype {self.dtype} (pagedattn's kernels take {kernel_dtypes()})")
         else:
-            try:
-                cpu_runtime.kernel_variant(self.block_size, self.dtype)
-            except ValueError as exc:
-                reasons.append(str(exc))
+            problem = cpu_runtime.block_size_problem(self.block_size)
+            if problem:
+                reasons.append(problem)
         layers_by_reason: dict[str, list[str]] = {}
         for name, impl in impls.items():
             layer_reasons = (impl.unserved_reasons() if isinstance(impl, PagedAttnCPUImpl)
