@@ -493,12 +493,13 @@ def test_split_kv_at_batch_1_on_one_and_two_threads(isa, threads, dtype_name):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        hint = kernel_variant(32, batch.query.dtype)
-        metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=8, num_kv_heads=1, head_dim=128, seq_lens=batch.seq_lens,
-            dtype=batch.query.dtype, query_start_loc=batch.query_start_loc, causal=True,
-            sliding_window_size=-1, isa=hint, enable_kv_split=True)
-        splits = _kv_splits(metadata, 1)[0]
+        plan = functools.partial(
+            ops.cpu_attn_get_scheduler_metadata, num_reqs=1, num_heads=8, num_kv_heads=1,
+            head_dim=128, seq_lens=batch.seq_lens, dtype=batch.query.dtype,
+            query_start_loc=batch.query_start_loc, causal=True, sliding_window_size=-1,
+            isa=kernel_variant(), enable_kv_split=True)
+        splits = _kv_splits(plan(), 1)[0]
+        invariant_splits = _kv_splits(plan(batch_invariant=True), 1)[0]
         split = run_native(batch, args, block_size=32, enable_kv_split=True)
         whole = run_native(batch, args, block_size=32, enable_kv_split=False)
     finally:
@@ -507,5 +508,6 @@ def test_split_kv_at_batch_1_on_one_and_two_threads(isa, threads, dtype_name):
     assert_matches_reference(split, want, DTYPES[dtype_name])
     assert_matches_reference(whole, want, DTYPES[dtype_name])
     assert splits >= 1
+    assert invariant_splits == 1, "batch-invariant plans never split a row's keys"
     if threads == 2:
         assert splits > 1, "a lone one-head 9000-token decode on 2 threads splits its keys"
