@@ -142,7 +142,13 @@ class _Limits:
     # head; 4 x 128 x 131,328 x 32 = 2,151,677,952 FLOPs = 21.516780 ms. Bytes: KV
     # 2,097,152 + q and out 8,388,608 = 10,485,760 (0.524 ms). Compute-bound.
     (Scenario("p", "prefill", (512,), (512,)), "compute", 2_151_677_952 / 100e9),
-], ids=["decode-b1-c8192", "prefill-b1-c512"])
+    # Gemma 3's MQA, 4/1 heads x 256, fp8 cache, B1 x 8192. Bytes: K and V of 8192 tokens x
+    # 1 kv head x 256 x 1 B = 4,194,304, plus bf16 q and out, 2 x 4 x 256 x 2 B = 4,096:
+    # 4,198,400 B = 0.209920 ms. FLOPs: 4 x 256 x 8192 x 4 = 33,554,432 = 0.335544 ms: at
+    # this machine's 20 GB/s and 100 GFLOP/s the fp8 row is compute-bound.
+    (Scenario("g", "decode", (8192,), (1,), num_heads=4, num_kv_heads=1, head_size=256,
+              kv_dtype="fp8"), "compute", 33_554_432 / 100e9),
+], ids=["decode-b1-c8192", "prefill-b1-c512", "decode-b1-c8192-mqa256-fp8"])
 def test_roofline_by_hand(scenario, bound, t_min_s):
     """The roof a row is timed against: the larger of its DRAM time (each KV byte read
     once, q read and out written once) and its compute time (4 x head_size FLOPs per
@@ -563,7 +569,7 @@ def test_decode_rotation_keeps_every_kv_read_out_of_the_llc(llc):
     """Between two reads of any KV byte -- by a call or by the stream -- at least 2x the
     LLC of other bytes are read, for every decode row of the bench (a 64-copy cap once left
     the small ones LLC-resident on a 480 MiB LLC)."""
-    assert len(DECODES) == 15  # 9 bf16 rows and 6 fp8 ones
+    assert len(DECODES) == 31  # 17 bf16 rows and 14 fp8 ones
     for s in DECODES.values():
         copies = copies_for(s, llc)
         kernel_gap, stream_gap = reuse_gaps(copies, s.kv_bytes())
@@ -731,6 +737,21 @@ def test_kv_dtype_fp8_runs_every_kind_against_the_reference(tmp_path, capsys, fa
             assert cells["sdpa-contiguous"]["status"] == "unsupported"
             assert cells["gather+sdpa"]["status"] == "ok", cells["gather+sdpa"]
     assert "bf16/fp8" in out.out
+
+
+def test_suites_have_the_rows_users_hit():
+    """32k contexts at B1 and B4, GQA 1 / 4 / 8, Gemma 3's MQA 4/1 x 256, each with its fp8
+    twin; --quick keeps one fp8 decode and one 32k row."""
+    full = {s.name: s for s in default_suite()}
+    for name in ("decode-b1-c32768", "decode-b4-c32768", "decode-b8-c2048-h32-32x128",
+                 "decode-b8-c2048-h32-4x128", "decode-b1-c8192-h4-1x256",
+                 "decode-b8-c2048-h4-1x256"):
+        assert name in full and f"{name}-fp8" in full, name
+    mqa = full["decode-b1-c8192-h4-1x256"]
+    assert (mqa.num_heads, mqa.num_kv_heads, mqa.head_size) == (4, 1, 256)
+    quick = [s.name for s in quick_suite()]
+    assert "decode-b1-c8192-fp8" in quick and "decode-b1-c32768" in quick
+    assert all(n in full for n in quick)
 
 
 def test_default_suite_has_fp8_decode_rows_next_to_bf16():

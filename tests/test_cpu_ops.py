@@ -453,3 +453,61 @@ def test_bad_cache_input_raises(case):
     args.update(override)
     with pytest.raises((ValueError, TypeError, RuntimeError, NotImplementedError), match=pattern):
         ops.cpu_attn_reshape_and_cache(**args)
+
+
+# ------------------------------------------------------------------ long decodes (issue 33)
+
+LONG_DECODES = [
+    BatchSpec("b1_32k", (32768,), (1,)),
+    BatchSpec("b2_32k_20k", (32768, 20001), (1, 1)),
+]
+
+
+def _kv_splits(metadata: torch.Tensor, num_reqs: int) -> list[int]:
+    from pagedattn.ops.isa import METADATA_FIELDS_PER_REQ, METADATA_HEADER
+    base, step = len(METADATA_HEADER), len(METADATA_FIELDS_PER_REQ)
+    return [int(metadata[base + r * step]) for r in range(num_reqs)]
+
+
+@pytest.mark.parametrize("cache_name", ["same", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+@pytest.mark.parametrize("spec", LONG_DECODES, ids=lambda s: s.name)
+def test_32k_decodes_match_reference(isa, spec, dtype_name, cache_name):
+    """Contexts of 32k tokens (GQA 4, head size 128): the split-KV plan and its merge over
+    a long softmax match the reference, bf16/fp32 queries, model-dtype and fp8 caches."""
+    batch, scales = with_fp8_cache(case_inputs(spec, dtype_name, 128, 32, 8, 2), cache_name)
+    args = feature_args("sinks", 8, 128)
+    got = run_native(batch, args, block_size=32, **scales)
+    assert_matches_reference(got, run_reference(batch, args, **scales), DTYPES[dtype_name])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_split_kv_at_batch_1_on_one_and_two_threads(isa, threads, dtype_name):
+    """A single decode of one kv head (MQA 8/1) is split over its keys: on 2 threads it
+    must be (one head cannot keep two threads busy otherwise); the split and unsplit
+    results match the reference on 1 and 2 threads."""
+    spec = BatchSpec("b1_9000", (9000,), (1,))
+    batch = case_inputs(spec, dtype_name, 128, 32, 8, 1)
+    args = feature_args("causal", 8, 128)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plan = functools.partial(
+            ops.cpu_attn_get_scheduler_metadata, num_reqs=1, num_heads=8, num_kv_heads=1,
+            head_dim=128, seq_lens=batch.seq_lens, dtype=batch.query.dtype,
+            query_start_loc=batch.query_start_loc, causal=True, sliding_window_size=-1,
+            isa=kernel_variant(), enable_kv_split=True)
+        splits = _kv_splits(plan(), 1)[0]
+        invariant_splits = _kv_splits(plan(batch_invariant=True), 1)[0]
+        split = run_native(batch, args, block_size=32, enable_kv_split=True)
+        whole = run_native(batch, args, block_size=32, enable_kv_split=False)
+    finally:
+        torch.set_num_threads(before)
+    want = run_reference(batch, args)
+    assert_matches_reference(split, want, DTYPES[dtype_name])
+    assert_matches_reference(whole, want, DTYPES[dtype_name])
+    assert splits >= 1
+    assert invariant_splits == 1, "batch-invariant plans never split a row's keys"
+    if threads == 2:
+        assert splits > 1, "a lone one-head 9000-token decode on 2 threads splits its keys"

@@ -20,6 +20,14 @@ namespace {
 #include "vec_avx512.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
+#include "decode_avx512.h"
+#include "fp8_bf16_avx512.h"
+// bf16 queries on fp8 caches: rows decoded to bf16 by table (6 instructions per 32 values)
+// and read by decode_avx512.h's bf16 kernels, instead of decoded to fp32 through F16C.
+template <>
+struct CacheConvert<VecAvx512, bf16_t, fp8_e4m3_t> : Fp8ToBf16Rows<fp8_e4m3_t, kE4m3Bf16> {};
+template <>
+struct CacheConvert<VecAvx512, bf16_t, fp8_e5m2_t> : Fp8ToBf16Rows<fp8_e5m2_t, kE5m2Bf16> {};
 #include "linear_kernel_impl.h"
 #include "layer_kernel_impl.h"
 #include "stream_read_impl.h"

@@ -197,9 +197,15 @@ class Scenario:
         return 4 * self.head_size * self.visible_pairs() * self.num_heads
 
 
-def _decode(batch: int, ctx: int, kv_dtype: str = "auto") -> Scenario:
-    return with_kv_dtype(Scenario(f"decode-b{batch}-c{ctx}", "decode", (ctx,) * batch,
-                                  (1,) * batch), kv_dtype)
+def _decode(batch: int, ctx: int, kv_dtype: str = "auto", *, heads: tuple[int, int] = (32, 8),
+            head_size: int = 128) -> Scenario:
+    """A decode row; a geometry other than 32/8 heads x 128 is named in a suffix
+    (``decode-b8-c2048-h32-32x128``: 32 query heads, 32 kv heads, head size 128)."""
+    nh, nkv = heads
+    geom = "" if (heads, head_size) == ((32, 8), 128) else f"-h{nh}-{nkv}x{head_size}"
+    return with_kv_dtype(Scenario(f"decode-b{batch}-c{ctx}{geom}", "decode", (ctx,) * batch,
+                                  (1,) * batch, num_heads=nh, num_kv_heads=nkv,
+                                  head_size=head_size), kv_dtype)
 
 
 def with_kv_dtype(s: Scenario, kv_dtype: str) -> Scenario:
@@ -223,21 +229,36 @@ _MIXED = Scenario(
 _RESHAPE = Scenario("reshape_and_cache-4096", "reshape_and_cache", (4096,), (4096,))
 
 
+# The attention geometries users run beside the 32/8 x 128 default (GQA 4): MHA (GQA 1),
+# GQA 8, and Gemma 3's MQA 4/1 x 256.
+_GEOMETRIES = (((32, 32), 128), ((32, 4), 128), ((4, 1), 256))
+
+
+def _with_fp8(rows: list[Scenario]) -> list[Scenario]:
+    """Each row followed by its fp8-cache twin (same run, same table)."""
+    return [r for s in rows for r in (s, with_kv_dtype(s, "fp8"))]
+
+
 def default_suite() -> list[Scenario]:
-    """The full suite: decode batch 1/8/32 x context 512..8192, prefill, mixed, cache writes."""
+    """The full suite: decode batch 1/8/32 x context 512..8192 and 32k at batch 1 and 4
+    (fp8-cache twins from 2048 on), the other head geometries (GQA 1 and 8, MQA 4/1 x
+    256) with their fp8 twins, prefill, mixed, cache writes."""
     decode = []
-    for b in (1, 8, 32):  # fp8-cache decodes next to their bf16 rows (same run, same table)
-        for c in (512, 2048, 8192):
-            decode.append(_decode(b, c))
-            if c >= 2048:
-                decode.append(_decode(b, c, "fp8"))
+    for b in (1, 8, 32):
+        decode.append(_decode(b, 512))
+        decode += _with_fp8([_decode(b, c) for c in (2048, 8192)])
+    decode += _with_fp8([_decode(1, 32768), _decode(4, 32768)])
+    for heads, hs in _GEOMETRIES:
+        decode += _with_fp8([_decode(1, 8192, heads=heads, head_size=hs),
+                             _decode(8, 2048, heads=heads, head_size=hs)])
     return [*decode, _prefill(1, 2048), _prefill(4, 512), _MIXED, _RESHAPE]
 
 
 def quick_suite() -> list[Scenario]:
-    """A representative subset for ``--quick`` (under two minutes on 2 cores)."""
-    return [_decode(1, 8192), _decode(8, 2048), _decode(32, 2048), _prefill(4, 512), _MIXED,
-            _RESHAPE]
+    """A representative subset for ``--quick`` (under two minutes on 2 cores): one fp8
+    decode beside its bf16 row and one 32k context among the decodes."""
+    return [_decode(1, 8192), _decode(1, 8192, "fp8"), _decode(8, 2048), _decode(32, 2048),
+            _decode(1, 32768), _prefill(4, 512), _MIXED, _RESHAPE]
 
 
 def tiny_suite() -> list[Scenario]:
