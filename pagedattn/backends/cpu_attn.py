@@ -84,6 +84,10 @@ class CPUAttentionBackend(AttentionBackend):
                 ("attention batch-invariant: vector kernels, no key splits, no flash prefill",))
         if AttentionType.parse(model.attn_type) != AttentionType.DECODER:
             return ModelPreparation()
+        if model.sliding_window is not None or model.cache_dtype.itemsize == 1:
+            # the builder keeps such caches on the kernel: timing flash would be wasted
+            return ModelPreparation(choices=("prefills on the kernel (flash attention has "
+                                             "no sliding window or fp8 cache)",))
         min_len, line = cpu_sdpa_prefill.choose_min_query_len(model)
         return ModelPreparation({"sdpa_prefill_min_query_len": min_len}, (line,))
 
