@@ -81,6 +81,19 @@ def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
     return CacheDType.parse(kv_cache_dtype) is not CacheDType.AUTO
 
 
+def flash_kv_cache_shape(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    cache_dtype_str: str = "auto",
+) -> tuple[int, ...]:
+    """``(2, num_blocks, block_size, num_kv_heads, head_size)`` (K then V): the
+    flash-attention cache layout, as a ``get_kv_cache_shape`` for the backends whose
+    kernels read it (the cache dtype does not change it)."""
+    return 2, num_blocks, block_size, num_kv_heads, head_size
+
+
 class AttentionType(_ParsableStrEnum):
     """Attention type. A ``str`` enum so it stays a constant under ``torch.compile``.
 
@@ -344,8 +357,8 @@ class AttentionBackend(ABC):
         """Every reason this backend cannot run the configuration; empty = usable.
 
         Reasons come in a fixed order (head size, dtype, cache dtype, block size,
-        multimodal prefix, MLA, sink, sparse, capability, attention type, combination)
-        so a selector's error message is stable.
+        multimodal prefix, MLA, sink, sparse, capability, attention type, combination,
+        device problems) so a selector's error message is stable.
         """
         reasons: list[str] = []
         if not cls.supports_head_size(head_size):
@@ -380,7 +393,15 @@ class AttentionBackend(ABC):
         )
         if combination is not None:
             reasons.append(combination)
+        reasons += cls.device_problems(device_capability)
         return reasons
+
+    @classmethod
+    def device_problems(cls, device_capability: DeviceCapability) -> list[str]:
+        """What keeps the kernels from running on this machine whatever the configuration
+        (a missing library, no launcher for the device); ``validate_configuration`` lists
+        them last. Default: none."""
+        return []
 
     @classmethod
     def get_required_kv_cache_layout(cls) -> KVCacheLayoutType | None:

@@ -29,6 +29,7 @@ from pagedattn.backend import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
+    flash_kv_cache_shape,
     is_quantized_kv_cache,
 )
 from pagedattn.config import CacheDType, DeviceCapability, BuilderConfig
@@ -56,16 +57,7 @@ class TritonAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[TritonAttentionMetadataBuilder]:
         return TritonAttentionMetadataBuilder
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_size)`` (K then V)."""
-        return 2, num_blocks, block_size, num_kv_heads, head_size
+    get_kv_cache_shape = staticmethod(flash_kv_cache_shape)
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -89,16 +81,9 @@ class TritonAttentionBackend(AttentionBackend):
         return triton_ops.launch_problem(device)
 
     @classmethod
-    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
-                               has_sink, use_sparse, use_mm_prefix, device_capability,
-                               attn_type) -> list[str]:
-        reasons = super().validate_configuration(
-            head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
-            use_mm_prefix, device_capability, attn_type)
+    def device_problems(cls, device_capability: DeviceCapability) -> list[str]:
         problem = cls.launch_problem(device_capability)
-        if problem is not None:
-            reasons.append(problem)
-        return reasons
+        return [] if problem is None else [problem]
 
 
 @dataclass(frozen=True)

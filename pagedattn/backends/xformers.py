@@ -36,10 +36,11 @@ from pagedattn.backend import (
     AttentionType,
     CommonAttentionMetadata,
     MultipleOf,
+    flash_kv_cache_shape,
     is_quantized_kv_cache,
 )
 from pagedattn.config import DeviceCapability, BuilderConfig
-from pagedattn.backends.triton_attn import layer_scale
+from pagedattn.backends.triton_attn import TritonAttentionBackend, layer_scale
 from pagedattn.kv_cache_spec import AttentionSpec
 from pagedattn.ops import triton as triton_ops
 
@@ -173,33 +174,23 @@ class XFormersAttentionBackend(AttentionBackend):
         return XFormersAttentionMetadata
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
         if block_size % 16 != 0:
             raise ValueError("Block size must be a multiple of 16.")
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return flash_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_builder_cls() -> type[XFormersAttentionMetadataBuilder]:
         return XFormersAttentionMetadataBuilder
 
     @classmethod
-    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
-                               has_sink, use_sparse, use_mm_prefix, device_capability,
-                               attn_type) -> list[str]:
-        reasons = super().validate_configuration(
-            head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
-            use_mm_prefix, device_capability, attn_type)
-        reasons += xformers_problems(device_capability)
-        device = "cpu" if tuple(device_capability) == (0, 0) else "cuda"
-        triton_problem = triton_ops.launch_problem(device)
-        if triton_problem is not None and device == "cuda":
+    def device_problems(cls, device_capability: DeviceCapability) -> list[str]:
+        reasons = xformers_problems(device_capability)
+        # Prefills run on Triton's kernels; on the CPU xformers_problems already rules the
+        # backend out, so the interpreter's absence would only add noise.
+        triton_problem = TritonAttentionBackend.launch_problem(device_capability)
+        if triton_problem is not None and tuple(device_capability) != (0, 0):
             reasons.append(f"prefill kernel: {triton_problem}")
         return reasons
 
