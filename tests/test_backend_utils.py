@@ -12,18 +12,16 @@ import torch
 
 from pagedattn.compat import backend_utils as U
 from pagedattn.compat.backend_utils import (
-    ReorderableBatch,
-    MetadataInputBuilder,
-    ModelRunnerInfo,
-    PrefillDecodeMetadata,
-    ScheduledTokens,
-    SeqGroupInput,
-)
-from pagedattn.compat.backend_utils import (
     PAD_SLOT_ID,
     CommonAttentionState,
     CommonMetadataBuilder,
+    MetadataInputBuilder,
     MLADims,
+    ModelRunnerInfo,
+    PrefillDecodeMetadata,
+    ReorderableBatch,
+    ScheduledTokens,
+    SeqGroupInput,
     compute_slot_mapping,
     compute_slot_mapping_start_idx,
     get_mla_dims,
