@@ -266,6 +266,10 @@ class AttentionBackend(ABC):
         return (not supported) or head_size in supported
 
     @classmethod
+    def get_supported_dtypes(cls) -> list[torch.dtype]:
+        return list(cls.supported_dtypes)
+
+    @classmethod
     def supports_dtype(cls, dtype: torch.dtype) -> bool:
         return dtype in cls.supported_dtypes
 

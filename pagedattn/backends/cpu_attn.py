@@ -61,10 +61,6 @@ class CPUAttentionBackend(AttentionBackend):
         return list(kernel_shapes.SUPPORTED_BLOCK_SIZES)
 
     @classmethod
-    def get_supported_dtypes(cls) -> list[torch.dtype]:
-        return list(cls.supported_dtypes)
-
-    @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return list(kernel_shapes.SUPPORTED_HEAD_SIZES)
 

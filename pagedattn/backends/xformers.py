@@ -139,10 +139,6 @@ class XFormersAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
 
     @classmethod
-    def get_supported_dtypes(cls) -> list[torch.dtype]:
-        return list(cls.supported_dtypes)
-
-    @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return list(_SUPPORTED_HEAD_SIZES)
 
@@ -375,17 +371,10 @@ class XFormersAttentionImpl(AttentionImpl[XFormersAttentionMetadata]):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Forward pass with XFormers.
-
-        Args:
-            query: ``[num_tokens, num_heads, head_size]``.
-            key, value: ``[num_tokens, num_kv_heads, head_size]``.
-            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
-            attn_metadata: the step's plan; ``None`` in a profiling run.
-            output: ``[num_tokens, num_heads, head_size]``, written in place.
-        Returns:
-            ``output``.
-        """
+        """Forward pass with XFormers: decodes through its paged kernel, prefills (and
+        every row of a windowed or soft-capped layer) through Triton's
+        ``unified_attention``. ``output`` is required and returned; ``attn_metadata`` is
+        ``None`` in a profiling run, which leaves it untouched."""
         if output is None:
             raise ValueError("Output tensor must be provided.")
         if output_scale is not None or output_block_scale is not None:
