@@ -41,6 +41,10 @@ def _check_int_list(name: str, values: Any, minimum: int) -> None:
         _check_int(f"{name}[{i}]", v, minimum)
 
 
+_ENCODER_FIELDS = ("encoder_seq_lens", "encoder_seq_lens_tensor", "max_encoder_seq_len",
+                   "num_encoder_tokens", "cross_slot_mapping", "cross_block_tables")
+
+
 def is_all_encoder_attn_metadata_set(attn_metadata: Any) -> bool:
     """All metadata encoder attention needs is set."""
     return (attn_metadata.encoder_seq_lens is not None
@@ -279,14 +283,9 @@ class PrefillDecodeMetadata:
         return is_all_cross_attn_metadata_set(self)
 
     def _encoder_fields(self) -> dict[str, Any]:
-        return dict(
-            encoder_seq_lens=self.encoder_seq_lens,
-            encoder_seq_lens_tensor=self.encoder_seq_lens_tensor,
-            max_encoder_seq_len=self.max_encoder_seq_len,
-            num_encoder_tokens=self.num_encoder_tokens,
-            cross_slot_mapping=self.cross_slot_mapping,
-            cross_block_tables=self.cross_block_tables,
-        )
+        """The encoder and cross-attention fields, which the prefill and decode views keep
+        whole: they describe the encoder's tokens, which the split does not divide."""
+        return {name: getattr(self, name) for name in _ENCODER_FIELDS}
 
     @property
     def prefill_metadata(self) -> "PrefillDecodeMetadata | None":
