@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shlex
 import socket
@@ -145,28 +146,39 @@ def _one_client_paired(url: str, model: str, prompts, n: int, offline_ttft) -> d
             "ttft_gap_p50": statistics.median(gaps)}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
 
 
-def start_server(cmd: list[str], env: dict, port: int, log) -> subprocess.Popen:
+@contextlib.contextmanager
+def serving(cmd: list[str], env: dict, port: int, log, start_timeout_s: float = 600):
+    """The server process of ``cmd`` once its ``/health`` answers, stopped (SIGTERM, then
+    SIGKILL after a minute) when the block ends."""
     import httpx
 
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not start; see {log.name}")
+            try:
+                if httpx.get(f"http://{HOST}:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield proc
+    finally:
+        proc.terminate()
         try:
-            if httpx.get(f"http://{HOST}:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"server did not start; see {log.name}")
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def run_peer(name: str, cmd: list[str], env: dict, port: int, model: str, prompts, n: int,
@@ -175,8 +187,7 @@ def run_peer(name: str, cmd: list[str], env: dict, port: int, model: str, prompt
     rows = {}
     with tempfile.NamedTemporaryFile("w", prefix=f"bench_serve_{name}_", suffix=".log",
                                      delete=False) as log:
-        proc = start_server(cmd, env, port, log)
-        try:
+        with serving(cmd, env, port, log):
             url = f"http://{HOST}:{port}"
             asyncio.run(_client_load(url, model, prompts[:2], 2, 2))  # warm-up
             for c in client_counts:
@@ -185,12 +196,6 @@ def run_peer(name: str, cmd: list[str], env: dict, port: int, model: str, prompt
                                                  offline_ttft)
                 else:
                     rows[c] = asyncio.run(_client_load(url, model, prompts, n, c))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     return rows
 
 
@@ -229,7 +234,7 @@ def main() -> int:
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     peers = []
-    port = _free_port()
+    port = free_port()
     peers.append(("pagedattn", [sys.executable, "-m", "pagedattn", "serve", "--model",
                                 args.model, "--dtype", args.dtype, "--host", HOST,
                                 "--port", str(port), "--log-level", "warning",
@@ -240,7 +245,7 @@ def main() -> int:
         from pagedattn.bench.vllm_plugin_runs import smollm2_checkpoint
 
         hf_dir = str(smollm2_checkpoint(args.hf_dir)) if args.model == "smollm2" else model_dir
-        port = _free_port()
+        port = free_port()
         venv = {**env, "PAGEDATTN_VLLM": "0",  # vLLM's own kernels, not our plugin's
                 "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2",
                 "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",

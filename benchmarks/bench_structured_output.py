@@ -32,13 +32,12 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
-HOST = "127.0.0.1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serve import HOST, free_port, serving  # noqa: E402
 
 PROMPTS = ["The history of the printing press", "A guide to growing tomatoes",
            "Why the sky is blue", "How a steam engine works", "The life of a honey bee",
@@ -54,12 +53,6 @@ LONG_SCHEMA = {"type": "array", "minItems": 500, "items": {
         "city": {"type": "string", "enum": ["Paris", "London", "Rome", "Berlin"]}},
     "required": ["name", "age", "city"]}}
 """Never complete within the run: the request stays constrained until its max_tokens."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 async def _stream(client, url: str, body: dict) -> tuple[int, float, float]:
@@ -194,25 +187,12 @@ def main() -> None:
         _offline(args)
         return
 
-    port = _free_port()
+    port = free_port()
     url = f"http://{HOST}:{port}"
     cmd = [sys.executable, "-m", "pagedattn", "serve", "--model", "smollm2", "--host", HOST,
            "--port", str(port), *args.serve_args.split()]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
+    with open(os.devnull, "w") as log, \
+            serving(cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, port, log, 300):
         # warm-up: compiles the schema (cached by key) and runs a few steps
         asyncio.run(_run(url, 2, 8, "json"))
         names = {None: "plain", "plain": "+1 plain", "json": "+1 json_schema"}
@@ -231,12 +211,6 @@ def main() -> None:
         print(f"batch-mates' rate +1 json_schema / +1 plain, per round: "
               f"{', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f} "
               f"(slow-down {100 * (1 - statistics.median(ratios)):.1f}%)")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 if __name__ == "__main__":

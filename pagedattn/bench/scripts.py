@@ -1,4 +1,4 @@
-"""Shared body of the ``benchmarks/bench_<op>.py`` scripts: one op, a named model's
+"""Body of ``benchmarks/bench_op.py``: one op, a named model's
 head geometry, a grid of batch x context, the same checks/timing/table as ``pagedattn
 bench``."""
 
