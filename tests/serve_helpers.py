@@ -3,11 +3,15 @@ offline reference answers its outputs are compared with."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 
+import httpx
 import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -52,6 +56,37 @@ def serve_in_thread(llm, **app_kwargs):
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+@contextmanager
+def serve_process(*args: str, timeout: float = 120):
+    """``(base_url, proc)`` of ``pagedattn serve --host 127.0.0.1 --port <free> *args`` in a
+    child process, once its ``/health`` answers; killed at the end if it is still running.
+    Its stdout and stderr are one text pipe."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
+    url = f"http://{HOST}:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedattn", "serve", "--host", HOST, "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not come up")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def client(base_url: str, api_key: str = "none", **kwargs):

@@ -9,19 +9,16 @@ running, nothing waiting and no KV block held.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from serve_helpers import BATCH_INVARIANT, HOST, serve_in_thread, wait_idle
+from serve_helpers import BATCH_INVARIANT, serve_in_thread, serve_process, wait_idle
 
 from pagedattn import LLM
 from pagedattn.engine import sampler
@@ -533,29 +530,8 @@ def test_a_gone_non_streaming_client_is_aborted_within_a_step(server):
     server.check_whole()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_ends_every_stream_with_a_final_event_then_done():
-    port = _free_port()
-    url = f"http://{HOST}:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedattn", "serve", "--model", "smollm2", "--host", HOST,
-         "--port", str(port), "--shutdown-timeout", "3"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with serve_process("--model", "smollm2", "--shutdown-timeout", "3") as (url, proc):
         started = [threading.Event() for _ in range(4)]
         lines: list[list[str]] = [[] for _ in range(4)]
 
@@ -588,7 +564,3 @@ def test_sigterm_ends_every_stream_with_a_final_event_then_done():
             last = json.loads(data[-2][6:])
             final = last["error"] if "error" in last else last["choices"][0]["finish_reason"]
             assert final == "abort" or "message" in final, (i, last)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from serve_helpers import HOST, client, serve_in_thread, wait_idle
+from serve_helpers import client, serve_in_thread, serve_process, wait_idle
 
 from pagedattn import LLM
 
@@ -91,36 +87,10 @@ def test_embeddings_on_an_encoder():
             oai.completions.create(model="minilm", prompt="hi")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.2)
-    raise TimeoutError("the server did not come up")
-
-
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0():
-    port = _free_port()
-    url = f"http://{HOST}:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedattn", "serve", "--model", "smollm2", "--host", HOST,
-         # 8 s: the short request's 11 remaining tokens must fit in the grace period on
-         # a machine whose cores other jobs share (4 s was missed there)
-         "--port", str(port), "--shutdown-timeout", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        _wait_up(url, proc)
+    # 8 s: the short request's 11 remaining tokens must fit in the grace period on a
+    # machine whose cores other jobs share (4 s was missed there)
+    with serve_process("--model", "smollm2", "--shutdown-timeout", "8") as (url, proc):
         oai = client(url)
         results = {}
         streaming = {"short": threading.Event(), "long": threading.Event()}
@@ -159,7 +129,3 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0():
         out = proc.stdout.read()
         assert "pagedattn serve: http://127.0.0.1:" in out and "KV cache" in out
         assert "prompt +" in out  # the per-request log line
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -268,29 +268,26 @@ def _routes(state: ServeState) -> APIRouter:
                                             "created": int(state.started), "owned_by": "pagedattn",
                                             "max_model_len": state.llm.max_model_len}]}
 
-    @v1.post("/completions")
-    async def completions(request: Request):
-        body, large = await state.parse(request, CompletionRequest)
+    async def complete(request: Request, chat: bool):
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        schema = ChatCompletionRequest if chat else CompletionRequest
+        body, large = await state.parse(request, schema)
         state.check_model(body.model)
         body.check_n()
-        state.decoder_loop("/v1/completions")
+        state.decoder_loop(route)
         structured = await state.structured_output(body)
-        ids, params = await state.run_inputs(large, state.prepare, body, False, structured)
-        kind = Kind(False, f"cmpl-{uuid.uuid4().hex}", state.model_name)
+        ids, params = await state.run_inputs(large, state.prepare, body, chat, structured)
+        kind = Kind(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", state.model_name)
         return await _generate(state, request, kind, ids, params, body.stream,
                                bool(body.stream_options and body.stream_options.include_usage))
 
+    @v1.post("/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        body, large = await state.parse(request, ChatCompletionRequest)
-        state.check_model(body.model)
-        body.check_n()
-        state.decoder_loop("/v1/chat/completions")
-        structured = await state.structured_output(body)
-        ids, params = await state.run_inputs(large, state.prepare, body, True, structured)
-        kind = Kind(True, f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
-        return await _generate(state, request, kind, ids, params, body.stream,
-                               bool(body.stream_options and body.stream_options.include_usage))
+        return await complete(request, chat=True)
 
     @v1.post("/embeddings")
     async def embeddings(request: Request):
