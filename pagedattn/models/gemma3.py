@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn import ops
-from pagedattn.models.layers import (PagedAttention, RotaryEmbedding, gated_projection, keep_rows,
-                                     native_dtypes)
+from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gated_projection,
+                                     keep_rows, native_dtypes)
 from pagedattn.models.loader import CheckpointNames, decoder_names, load_weights
 
 GEMMA3_MODEL_TYPES = ("gemma3_text",)
@@ -154,7 +154,7 @@ class Gemma3Config:
         )
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: ``normalise(x) * (1 + w)``, all in fp32, then back to ``x``'s dtype
     (Llama's casts before the weight; Gemma's after). The weight is Hugging Face's ``w``
     (zero = identity). Called with a residual, it first adds ``x`` into it and returns
@@ -164,29 +164,24 @@ class GemmaRMSNorm(nn.Module):
     ``act_dtype`` bf16 (bf16 activations around an fp32 residual stream): the native op
     takes fp32 or bf16 ``x`` and writes bf16, rounded once."""
 
-    def __init__(self, dim: int, eps: float, act_dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-        self.native_dtypes = native_dtypes(act_dtype)
-        self.out_dtype = act_dtype if act_dtype == torch.bfloat16 else None
+    identity_weight = 0.0
 
     def scale(self) -> torch.Tensor:
         """``1 + w`` in fp32 (a few hundred floats: computed per call, never stale)."""
         return 1.0 + self.weight.detach().float()
 
-    def _native(self, x: torch.Tensor) -> bool:
+    def _native_dtype(self, x: torch.Tensor) -> bool:
         return x.dtype in self.native_dtypes and ops.native_available()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
-            if self._native(x) and residual.dtype == torch.float32 and x.dim() == 2 \
+            if self._native_dtype(x) and residual.dtype == torch.float32 and x.dim() == 2 \
                     and x.is_contiguous() and residual.is_contiguous():
                 return (ops.fused_add_rms_norm(x, residual, self.scale(), self.eps,
                                                self.out_dtype), residual)
             residual = residual + x
             return self.forward(residual), residual
-        if self._native(x):
+        if self._native_dtype(x):
             flat = x.reshape(-1, x.shape[-1])
             return ops.rms_norm(flat.contiguous(), self.scale(), self.eps,
                                 self.out_dtype).view(x.shape)

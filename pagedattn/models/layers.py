@@ -33,9 +33,12 @@ class RMSNorm(nn.Module):
     ``act_dtype`` bf16 (bf16 activations around fp32 residuals): the native op takes fp32 or
     bf16 ``x`` and writes the normed rows in bf16, the input of the next linear layer."""
 
+    identity_weight = 1.0
+    """The weight that leaves normalised rows as they are (the checkpoint's convention)."""
+
     def __init__(self, dim: int, eps: float, act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), self.identity_weight))
         self.eps = eps
         self.native_dtypes = native_dtypes(act_dtype)
         self.out_dtype = act_dtype if act_dtype == torch.bfloat16 else None
