@@ -309,6 +309,18 @@ class ReferenceContender(Contender):
         return Prepared(run)
 
 
+def _sdpa_fastest_way(inputs: ScenarioInputs, plan: _DenseGroupPlan, kv_of) -> Prepared:
+    """SDPA over ``plan``'s groups, the K/V of group ``g`` and copy ``c`` being
+    ``kv_of(g, c)``, run the GQA way that measures fastest here."""
+    scale = inputs.scale
+
+    def run_way(way: str, copy: int) -> torch.Tensor:
+        return plan.attend(lambda q, k, v, ql, kl: _sdpa(q, k, v, ql, kl, scale, way),
+                           kv_of, copy)
+    way = _fastest_gqa_way(inputs, run_way)
+    return Prepared(lambda copy: run_way(way, copy), note=_gqa_note(inputs.scenario, way))
+
+
 class SdpaContiguousContender(Contender):
     name = "sdpa-contiguous"
     description = ("torch SDPA on the same KV stored contiguously per request "
@@ -323,13 +335,7 @@ class SdpaContiguousContender(Contender):
         # One contiguous K/V per (group, copy), built up front: paging costs nothing here.
         kv = [[contiguous_kv(inputs, c, ids) for c in range(inputs.copies)]
               for _, _, ids, _, _ in plan.groups]
-        scale = inputs.scale
-
-        def run_way(way: str, copy: int) -> torch.Tensor:
-            return plan.attend(lambda q, k, v, ql, kl: _sdpa(q, k, v, ql, kl, scale, way),
-                               lambda g, c: kv[g][c], copy)
-        way = _fastest_gqa_way(inputs, run_way)
-        return Prepared(lambda copy: run_way(way, copy), note=_gqa_note(inputs.scenario, way))
+        return _sdpa_fastest_way(inputs, plan, lambda g, c: kv[g][c])
 
 
 class GatherSdpaContender(Contender):
@@ -340,7 +346,6 @@ class GatherSdpaContender(Contender):
     def prepare(self, inputs: ScenarioInputs) -> Prepared:
         plan = _DenseGroupPlan(inputs)
         s = inputs.scenario
-        scale = inputs.scale
         ids_of = [ids for _, _, ids, _, _ in plan.groups]
 
         def gather(g: int, c: int):
@@ -349,12 +354,7 @@ class GatherSdpaContender(Contender):
                 k = k.to(s.torch_dtype) * s.kv_scale
                 v = v.to(s.torch_dtype) * s.kv_scale
             return k, v
-
-        def run_way(way: str, copy: int) -> torch.Tensor:
-            return plan.attend(lambda q, k, v, ql, kl: _sdpa(q, k, v, ql, kl, scale, way),
-                               gather, copy)
-        way = _fastest_gqa_way(inputs, run_way)
-        return Prepared(lambda copy: run_way(way, copy), note=_gqa_note(inputs.scenario, way))
+        return _sdpa_fastest_way(inputs, plan, gather)
 
 
 class FlexContender(Contender):

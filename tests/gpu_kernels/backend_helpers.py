@@ -52,6 +52,11 @@ def context_only_kv_cache(batch, cache_dtype=None, k_scale=1.0, v_scale=1.0):
     bs = kv.shape[2]
     for slot in batch.slot_mapping.tolist():
         kv[:, slot // bs, slot % bs] = math.nan
+    return _as_cache(kv, batch, cache_dtype, k_scale, v_scale)
+
+
+def _as_cache(kv, batch, cache_dtype, k_scale, v_scale):
+    """``kv`` (float) as the cache stores it: the batch's dtype, or fp8 of ``x / scale``."""
     if cache_dtype is None:
         return kv.to(batch.key_cache.dtype)
     fmax = torch.finfo(cache_dtype).max
@@ -63,12 +68,7 @@ def context_only_kv_cache(batch, cache_dtype=None, k_scale=1.0, v_scale=1.0):
 def full_kv_cache(batch, cache_dtype=None, k_scale=1.0, v_scale=1.0):
     """What the cache must hold after forward (same quantization as above)."""
     kv = torch.stack([batch.key_cache, batch.value_cache]).float()
-    if cache_dtype is None:
-        return kv.to(batch.key_cache.dtype)
-    fmax = torch.finfo(cache_dtype).max
-    kv[0] = (kv[0] / k_scale).clamp(-fmax, fmax)
-    kv[1] = (kv[1] / v_scale).clamp(-fmax, fmax)
-    return kv.to(cache_dtype)
+    return _as_cache(kv, batch, cache_dtype, k_scale, v_scale)
 
 
 def reference_output(impl, batch, kv_cache, k_scale=1.0, v_scale=1.0):
