@@ -130,7 +130,7 @@ def vllm_peer_figures(python: str, hf_dir: str, loads, args) -> dict[str, float]
     return json.loads(lines[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=list(MODELS), default="smollm2")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -152,22 +152,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="pagedattn with EngineArgs.batch_invariant (the cost of the mode)")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    peers = [x.strip() for x in args.peers.split(",") if x.strip()]
-    args.peer_dtype = peer_dtype(args.peer_dtype, args.dtype)
+    return args
+
+
+def _measure_peers(args, llm, loads, peers):
+    """``(results, skipped, peer_info, attention shares)`` of every peer asked for."""
     dtype = getattr(torch, args.peer_dtype)
     hf_dir = args.hf_dir or os.path.expanduser(f"~/.cache/pagedattn/{args.model}-hf")
-
-    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
-              kv_cache_memory="1GiB", linear_impl=args.linear_impl,
-              batch_invariant=args.batch_invariant)
-    loads = workloads(llm.tokenizer, args.scale)
-    for name, (prompts, n) in loads.items():
-        lens = sorted(map(len, prompts))
-        print(f"{name}: {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, {n} new tokens each")
     results: dict[str, dict[str, float]] = {}
     skipped: dict[str, str] = {}
     peer_info: dict[str, dict] = {}
+    shares = None
     if "pagedattn" in peers:
         results["pagedattn"] = measure(pagedattn_peer(llm), loads, args.repeats)
         plan = llm.linear_plan
@@ -198,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 skipped["vllm"] = str(exc)[-500:]
 
+    return results, skipped, peer_info, shares
+
+
+def _report(args, llm, results, skipped, peer_info, shares) -> None:
     print(f"\n{MODELS[args.model]}, pagedattn {args.dtype}, peers {args.peer_dtype}, greedy, "
           f"{args.threads} threads, median of {args.repeats}, scale {args.scale}")
     print(f"| peer | {' | '.join(COLUMNS)} |")
@@ -230,6 +229,22 @@ def main(argv: list[str] | None = None) -> int:
               f"{info['linear_activations']}, weights {args.dtype}")
         if llm.linear_plan is not None:
             print("\n".join(llm.linear_plan.lines()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    torch.set_num_threads(args.threads)
+    peers = [x.strip() for x in args.peers.split(",") if x.strip()]
+    args.peer_dtype = peer_dtype(args.peer_dtype, args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
+              kv_cache_memory="1GiB", linear_impl=args.linear_impl,
+              batch_invariant=args.batch_invariant)
+    loads = workloads(llm.tokenizer, args.scale)
+    for name, (prompts, n) in loads.items():
+        lens = sorted(map(len, prompts))
+        print(f"{name}: {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, {n} new tokens each")
+    results, skipped, peer_info, shares = _measure_peers(args, llm, loads, peers)
+    _report(args, llm, results, skipped, peer_info, shares)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "skipped": skipped, "peers": peer_info,

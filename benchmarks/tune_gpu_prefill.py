@@ -167,7 +167,7 @@ def graph_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
 
 
-def main(argv=None) -> int:
+def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="tune-results")
     p.add_argument("--baseline", help="directory of another pagedattn/ops/triton package")
@@ -184,10 +184,109 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on CPU tensors (TRITON_INTERPRET=1): checks the script")
     args = p.parse_args(argv)
-    if args.smoke:
-        smoke()
     if args.workers is None:
         args.workers = 0 if args.smoke else min(16, os.cpu_count() or 1)
+    return args
+
+
+def _compile_all(args, tasks, report) -> dict:
+    """``{(kind, block, cfg): errors}`` of the tasks that compiled in time; the others go
+    to ``report["failed"]``."""
+    if args.workers:
+        pool = ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"))
+        futures = [pool.submit(_compile_task, t) for t in tasks]
+        done, late = wait(futures, timeout=args.compile_s)
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list((pool._processes or {}).values()):  # stragglers would skew timings
+            proc.terminate()
+        outcomes = [f.result() for f in futures if f in done]
+        report["failed"] += [{"kind": t[0], "block": t[1], "cfg": t[2], "why": "compile deadline"}
+                             for t, f in zip(tasks, futures) if f in late]
+    else:
+        outcomes = [_compile_task(t) for t in tasks]
+    compiled = {}
+    for task, errors, why in outcomes:
+        kind, bs, cfg, _ = task
+        if why is not None:
+            report["failed"].append({"kind": kind, "block": bs, "cfg": cfg, "why": why})
+        else:
+            compiled[(kind, bs, cfg)] = errors
+    return compiled
+
+
+def _timed(error_of, call, report, failure: dict):
+    """``(error_of(), graph-replay us of call)`` (us NaN when the error is too large), or
+    None when either raised: then ``failure`` goes to the report with the reason."""
+    try:
+        err = error_of()
+        return err, graph_us(call) if err < MAX_ERR else float("nan")
+    except Exception as exc:
+        report["failed"].append({**failure, "why": f"timing: {exc}"[:200]})
+        return None
+
+
+def _time_prefill(args, prefill_configs, compiled, baseline, record, report) -> None:
+    # Configurations outermost: a run cut short by the budget drops whole configurations
+    # and every one it kept covers every shape.
+    problems = {}
+    for bs in PREFILL_BLOCK_SIZES:
+        for batch, length in PREFILL_SHAPES:
+            prob = problems[(bs, batch, length)] = Problem(batch, length, length, bs)
+            prob.sdpa_us = min(graph_us(fn) for fn in prob.sdpa_forms)
+            record(kind="prefill", block=bs, shape=f"{batch}x{length}", cfg="sdpa",
+                   us=prob.sdpa_us, err=0.0, tflops=prob.flops / prob.sdpa_us / 1e6)
+    timing_start = time.time()
+    for cfg in ([None] if baseline else []) + list(prefill_configs):
+        if cfg is not None and time.time() - timing_start > args.prefill_s:
+            print(f"budget: prefill configs from {cfg} on not timed", flush=True)
+            break
+        for (bs, batch, length), prob in problems.items():
+            if cfg is not None and ("prefill", bs, cfg) not in compiled:
+                continue
+            ops = baseline if cfg is None else tops
+            call = prob.caller(ops, None if cfg is None else tiles_for(cfg, length))
+            timed = _timed(lambda: prob.error(call), call, report,
+                           {"kind": "prefill", "block": bs, "cfg": cfg})
+            if timed is None:
+                continue
+            err, us = timed
+            record(kind="prefill", block=bs, shape=f"{batch}x{length}",
+                   cfg="baseline" if cfg is None else list(cfg), us=us, err=err,
+                   tflops=prob.flops / us / 1e6, x_sdpa=prob.sdpa_us / us)
+
+
+def _time_decode(args, decode_configs, compiled, baseline, record, report) -> None:
+    problems = {}
+    for batch, length in DECODE_SHAPES if decode_configs else []:
+        prob = problems[(batch, length)] = Problem(batch, length, 1, 16)
+        prob.sdpa_us = graph_us(prob.sdpa)
+        record(kind="decode", block=16, shape=f"B{batch}x{length}", cfg="sdpa",
+               us=prob.sdpa_us, err=0.0, gbps=prob.kv_bytes / prob.sdpa_us / 1e3)
+    candidates = [(None, None)] if baseline else []
+    candidates += [(c, s) for c in decode_configs if ("decode", 16, c) in compiled
+                   for s in DECODE_SPLITS]
+    timing_start = time.time()
+    for cfg, splits in candidates if problems else []:
+        if time.time() - timing_start > args.decode_s:
+            print(f"budget: decode configs from {cfg}/{splits} on not timed", flush=True)
+            break
+        for (batch, length), prob in problems.items():
+            ops = baseline if cfg is None else tops
+            call = prob.caller(ops, None if cfg is None else tiles_for(cfg, 1), splits)
+            timed = _timed(lambda: prob.error(call), call, report,
+                           {"kind": "decode", "cfg": cfg, "splits": splits})
+            if timed is None:
+                continue
+            err, us = timed
+            record(kind="decode", block=16, shape=f"B{batch}x{length}",
+                   cfg="baseline" if cfg is None else [*cfg, splits or 0], us=us, err=err,
+                   gbps=prob.kv_bytes / us / 1e3, x_sdpa=prob.sdpa_us / us)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.smoke:
+        smoke()
     start = time.time()
     os.makedirs(args.out, exist_ok=True)
     only = [tuple(int(x) for x in c.split(",")) for c in args.only.split(";")] \
@@ -208,26 +307,7 @@ def main(argv=None) -> int:
               "triton": __import__("triton").__version__, "rows": [], "failed": []}
     print(f"{report['device']}; torch {report['torch']}; triton {report['triton']}; "
           f"{len(tasks)} compile tasks on {args.workers} workers", flush=True)
-
-    compiled = {}
-    if args.workers:
-        pool = ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"))
-        futures = [pool.submit(_compile_task, t) for t in tasks]
-        done, late = wait(futures, timeout=args.compile_s)
-        pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list((pool._processes or {}).values()):  # stragglers would skew timings
-            proc.terminate()
-        outcomes = [f.result() for f in futures if f in done]
-        report["failed"] += [{"kind": t[0], "block": t[1], "cfg": t[2], "why": "compile deadline"}
-                             for t, f in zip(tasks, futures) if f in late]
-    else:
-        outcomes = [_compile_task(t) for t in tasks]
-    for task, errors, why in outcomes:
-        kind, bs, cfg, _ = task
-        if why is not None:
-            report["failed"].append({"kind": kind, "block": bs, "cfg": cfg, "why": why})
-        else:
-            compiled[(kind, bs, cfg)] = errors
+    compiled = _compile_all(args, tasks, report)
     print(f"compiled in {time.time() - start:.0f} s; {len(report['failed'])} failed",
           flush=True)
     baseline = load_ops(args.baseline) if args.baseline else None
@@ -237,65 +317,10 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "tune.json"), "w") as fh:
             json.dump(report, fh, indent=1)
 
-    # Configurations outermost: a run cut short by the budget drops whole configurations
-    # and every one it kept covers every shape.
-    problems = {}
-    for bs in PREFILL_BLOCK_SIZES:
-        for batch, length in PREFILL_SHAPES:
-            prob = problems[(bs, batch, length)] = Problem(batch, length, length, bs)
-            prob.sdpa_us = min(graph_us(fn) for fn in prob.sdpa_forms)
-            record(kind="prefill", block=bs, shape=f"{batch}x{length}", cfg="sdpa",
-                   us=prob.sdpa_us, err=0.0, tflops=prob.flops / prob.sdpa_us / 1e6)
-    timing_start = time.time()
-    for cfg in ([None] if baseline else []) + list(prefill_configs):
-        if cfg is not None and time.time() - timing_start > args.prefill_s:
-            print(f"budget: prefill configs from {cfg} on not timed", flush=True)
-            break
-        for (bs, batch, length), prob in problems.items():
-            if cfg is not None and ("prefill", bs, cfg) not in compiled:
-                continue
-            ops = baseline if cfg is None else tops
-            call = prob.caller(ops, None if cfg is None else tiles_for(cfg, length))
-            try:
-                err = prob.error(call)
-                us = graph_us(call) if err < MAX_ERR else float("nan")
-            except Exception as exc:
-                report["failed"].append({"kind": "prefill", "block": bs, "cfg": cfg,
-                                         "why": f"timing: {exc}"[:200]})
-                continue
-            record(kind="prefill", block=bs, shape=f"{batch}x{length}",
-                   cfg="baseline" if cfg is None else list(cfg), us=us, err=err,
-                   tflops=prob.flops / us / 1e6, x_sdpa=prob.sdpa_us / us)
-    del problems, prob
-    torch.cuda.empty_cache() if DEVICE == "cuda" else None
-    problems = {}
-    for batch, length in DECODE_SHAPES if decode_configs else []:
-        prob = problems[(batch, length)] = Problem(batch, length, 1, 16)
-        prob.sdpa_us = graph_us(prob.sdpa)
-        record(kind="decode", block=16, shape=f"B{batch}x{length}", cfg="sdpa",
-               us=prob.sdpa_us, err=0.0, gbps=prob.kv_bytes / prob.sdpa_us / 1e3)
-    candidates = [(None, None)] if baseline else []
-    candidates += [(c, s) for c in decode_configs if ("decode", 16, c) in compiled
-                   for s in DECODE_SPLITS]
-    timing_start = time.time()
-    for cfg, splits in candidates if problems else []:
-        if time.time() - timing_start > args.decode_s:
-            print(f"budget: decode configs from {cfg}/{splits} on not timed", flush=True)
-            break
-        for (batch, length), prob in problems.items():
-            ops = baseline if cfg is None else tops
-            call = prob.caller(ops, None if cfg is None else tiles_for(cfg, 1), splits)
-            try:
-                err = prob.error(call)
-                us = graph_us(call) if err < MAX_ERR else float("nan")
-            except Exception as exc:
-                report["failed"].append({"kind": "decode", "cfg": cfg, "splits": splits,
-                                         "why": f"timing: {exc}"[:200]})
-                continue
-            record(kind="decode", block=16, shape=f"B{batch}x{length}",
-                   cfg="baseline" if cfg is None else [*cfg, splits or 0], us=us, err=err,
-                   gbps=prob.kv_bytes / us / 1e3, x_sdpa=prob.sdpa_us / us)
-    del problems
+    _time_prefill(args, prefill_configs, compiled, baseline, record, report)
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    _time_decode(args, decode_configs, compiled, baseline, record, report)
     summarize(report)
     print(f"total {time.time() - start:.0f} s", flush=True)
     return 0
