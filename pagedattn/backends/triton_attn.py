@@ -17,7 +17,7 @@ under ``TRITON_INTERPRET=1`` (slow; for tests).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -171,6 +171,27 @@ def layer_scale(layer: AttentionLayer | None, name: str, device: torch.device) -
     return scale.reshape(1).to(device=device, dtype=torch.float32)
 
 
+def unified_step(impl: AttentionImpl, meta: Any, query: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, output: torch.Tensor, *, causal: bool = True,
+                 alibi_slopes: torch.Tensor | None = None,
+                 k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None,
+                 kv_split_plan: triton_ops.KVSplitPlan | None = None) -> None:
+    """One ``unified_attention`` launch over the requests of ``meta`` (a step's metadata
+    with ``query_start_loc``, ``max_query_len``, ``seq_lens``, ``max_seq_len`` and
+    ``block_table``), with ``impl``'s ``scale``, ``sliding_window`` (a window pair) and
+    ``logits_soft_cap``: the launch TRITON_ATTN makes for a whole step and XFORMERS_VLLM_V1
+    for its prefills. ``query`` and ``output`` hold those requests' rows only."""
+    triton_ops.unified_attention(
+        q=query, k=key_cache, v=value_cache, out=output,
+        cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
+        seqused_k=meta.seq_lens, max_seqlen_k=meta.max_seq_len,
+        softmax_scale=impl.scale, causal=causal, alibi_slopes=alibi_slopes,
+        window_size=impl.sliding_window, block_table=meta.block_table,
+        softcap=impl.logits_soft_cap, q_descale=None, k_descale=k_descale,
+        v_descale=v_descale, sinks=sinks, kv_split_plan=kv_split_plan)
+
+
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     def __init__(
         self,
@@ -262,22 +283,10 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         n = attn_metadata.num_actual_tokens
         descale_shape = (attn_metadata.num_reqs, self.num_kv_heads)
         quantized = self.kv_cache_dtype != "auto"
-        triton_ops.unified_attention(
-            q=query[:n],
-            k=key_cache,
-            v=value_cache,
-            out=output[:n],
-            cu_seqlens_q=attn_metadata.query_start_loc,
-            max_seqlen_q=attn_metadata.max_query_len,
-            seqused_k=attn_metadata.seq_lens,
-            max_seqlen_k=attn_metadata.max_seq_len,
-            softmax_scale=self.scale,
+        unified_step(
+            self, attn_metadata, query[:n], key_cache, value_cache, output[:n],
             causal=attn_metadata.causal,
             alibi_slopes=self._on(device, "alibi_slopes"),
-            window_size=self.sliding_window,
-            block_table=attn_metadata.block_table,
-            softcap=self.logits_soft_cap,
-            q_descale=None,
             k_descale=k_scale.view(1, 1).expand(descale_shape) if quantized else None,
             v_descale=v_scale.view(1, 1).expand(descale_shape) if quantized else None,
             sinks=self._on(device, "sinks"),

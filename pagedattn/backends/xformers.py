@@ -40,7 +40,7 @@ from pagedattn.backend import (
     is_quantized_kv_cache,
 )
 from pagedattn.config import DeviceCapability, BuilderConfig
-from pagedattn.backends.triton_attn import TritonAttentionBackend, layer_scale
+from pagedattn.backends.triton_attn import TritonAttentionBackend, layer_scale, unified_step
 from pagedattn.kv_cache_spec import AttentionSpec
 from pagedattn.ops import triton as triton_ops
 
@@ -394,40 +394,20 @@ class XFormersAttentionImpl(AttentionImpl[XFormersAttentionMetadata]):
 
         num_actual_tokens = attn_metadata.num_actual_tokens
         num_decode_tokens = attn_metadata.num_decode_tokens
+        # Triton's launches need no alibi (rejected in __init__) and no descales (the
+        # cache is never fp8 here).
         if not self.decode_with_xformers:
             # One unified launch over decodes and prefills alike.
-            self._unified(query[:num_actual_tokens], key_cache, value_cache, attn_metadata,
-                          output[:num_actual_tokens])
+            unified_step(self, attn_metadata, query[:num_actual_tokens], key_cache,
+                         value_cache, output[:num_actual_tokens])
             return output
         if prefill_meta := attn_metadata.prefill_metadata:
-            self._unified(query[num_decode_tokens:num_actual_tokens], key_cache, value_cache,
-                          prefill_meta, output[num_decode_tokens:num_actual_tokens])
+            unified_step(self, prefill_meta, query[num_decode_tokens:num_actual_tokens],
+                         key_cache, value_cache, output[num_decode_tokens:num_actual_tokens])
         if decode_meta := attn_metadata.decode_metadata:
             self._decode(query[:num_decode_tokens], key_cache, value_cache, decode_meta,
                          output[:num_decode_tokens])
         return output
-
-    def _unified(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 meta: XFormersAttentionMetadata, output: torch.Tensor) -> None:
-        triton_ops.unified_attention(
-            q=query,
-            k=key_cache,
-            v=value_cache,
-            out=output,
-            cu_seqlens_q=meta.query_start_loc,
-            max_seqlen_q=meta.max_query_len,
-            seqused_k=meta.seq_lens,
-            max_seqlen_k=meta.max_seq_len,
-            softmax_scale=self.scale,
-            causal=True,
-            alibi_slopes=self.alibi_slopes,
-            window_size=self.sliding_window,
-            block_table=meta.block_table,
-            softcap=self.logits_soft_cap,
-            q_descale=None,  # Not supported
-            k_descale=None,  # the cache is never fp8 here (rejected in __init__)
-            v_descale=None,
-        )
 
     def _decode(self, decode_query: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, decode_meta: XFormersAttentionMetadata,
