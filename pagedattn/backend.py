@@ -81,6 +81,20 @@ def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
     return CacheDType.parse(kv_cache_dtype) is not CacheDType.AUTO
 
 
+def check_request_tensors(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          block_table: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless a step's per-request tensors agree: ``num_reqs + 1``
+    query offsets for the ``num_reqs = seq_lens.numel()`` requests, and a 2-D block table
+    with a row for each (more rows are padding)."""
+    num_reqs = seq_lens.numel()
+    if query_start_loc.numel() != num_reqs + 1:
+        raise ValueError(f"query_start_loc has {query_start_loc.numel()} entries for "
+                         f"{num_reqs} requests (expected {num_reqs + 1})")
+    if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+        raise ValueError(f"block_table must have at least {num_reqs} rows, got shape "
+                         f"{tuple(block_table.shape)}")
+
+
 def flash_kv_cache_shape(
     num_blocks: int,
     block_size: int,

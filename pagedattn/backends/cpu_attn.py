@@ -34,6 +34,7 @@ from pagedattn.backend import (
     AttentionType,
     CommonAttentionMetadata,
     MultipleOf,
+    check_request_tensors,
     is_quantized_kv_cache,
 )
 from pagedattn.backends import cpu_runtime, cpu_sdpa_prefill
@@ -155,16 +156,7 @@ class CPUAttentionMetadata:
     that need the same one (a cache of derived values; the plan itself never changes)."""
 
     def __post_init__(self) -> None:
-        if self.query_start_loc.numel() != self.seq_lens.numel() + 1:
-            raise ValueError(
-                f"query_start_loc has {self.query_start_loc.numel()} entries for "
-                f"{self.seq_lens.numel()} requests (expected {self.seq_lens.numel() + 1})"
-            )
-        if self.block_table.dim() != 2 or self.block_table.shape[0] < self.seq_lens.numel():
-            raise ValueError(
-                f"block_table must have at least {self.seq_lens.numel()} rows, "
-                f"got shape {tuple(self.block_table.shape)}"
-            )
+        check_request_tensors(self.query_start_loc, self.seq_lens, self.block_table)
 
 
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):

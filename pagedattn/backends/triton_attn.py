@@ -29,6 +29,7 @@ from pagedattn.backend import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
+    check_request_tensors,
     flash_kv_cache_shape,
     is_quantized_kv_cache,
 )
@@ -111,13 +112,7 @@ class TritonAttentionMetadata:
     read by every layer; ``None``: each launch chooses."""
 
     def __post_init__(self) -> None:
-        num_reqs = self.seq_lens.numel()
-        if self.query_start_loc.numel() != num_reqs + 1:
-            raise ValueError(f"query_start_loc has {self.query_start_loc.numel()} entries for "
-                             f"{num_reqs} requests (expected {num_reqs + 1})")
-        if self.block_table.dim() != 2 or self.block_table.shape[0] < num_reqs:
-            raise ValueError(f"block_table must have at least {num_reqs} rows, got shape "
-                             f"{tuple(self.block_table.shape)}")
+        check_request_tensors(self.query_start_loc, self.seq_lens, self.block_table)
 
     @property
     def num_reqs(self) -> int:
