@@ -95,13 +95,8 @@ def check_request_tensors(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                          f"{tuple(block_table.shape)}")
 
 
-def flash_kv_cache_shape(
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_size: int,
-    cache_dtype_str: str = "auto",
-) -> tuple[int, ...]:
+def flash_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                         cache_dtype_str: str = "auto") -> tuple[int, ...]:
     """``(2, num_blocks, block_size, num_kv_heads, head_size)`` (K then V): the
     flash-attention cache layout, as a ``get_kv_cache_shape`` for the backends whose
     kernels read it (the cache dtype does not change it)."""
