@@ -19,16 +19,10 @@ import statistics
 import time
 from typing import Callable
 
-_SENTENCES = [
-    "The river bends past the old mill and the children race paper boats along it.",
-    "Paged attention keeps the keys and values of every token in fixed-size blocks.",
-    "A good cup of tea needs water that has only just stopped boiling.",
-    "The committee met on Tuesday to discuss the budget for the coming year.",
-    "Mountains in the north stay covered in snow until the end of spring.",
-    "She repaired the bicycle with a spanner, some oil and a lot of patience.",
-    "Compilers turn high-level programs into instructions that a processor runs.",
-    "The museum opened a new wing devoted to maps drawn by early explorers.",
-]
+from pagedattn.bench.prompts import SENTENCES
+
+# The workloads' prompts were fixed on the first eight (W2 and W3 keep their lengths).
+_SENTENCES = SENTENCES[:8]
 _QUESTIONS = ["Summarise the text above in two sentences.", "What is the main topic?",
               "Write a short poem inspired by it.", "List the key facts."]
 

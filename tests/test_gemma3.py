@@ -25,6 +25,7 @@ from transformers.models.gemma3 import modeling_gemma3 as hf  # noqa: E402
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
 from pagedattn.backend import AttentionType  # noqa: E402
+from pagedattn.bench.prompts import SENTENCES  # noqa: E402
 from pagedattn.engine.args import EngineArgs  # noqa: E402
 from pagedattn.engine.attention import AttentionGeometry, build_attention  # noqa: E402
 from pagedattn.models.gemma3 import (  # noqa: E402
@@ -36,19 +37,6 @@ from builtin_models import GEMMA3, model_file_cache, needs_gemma3  # noqa: E402
 from forward_rows import assert_output_rows_match_all_rows  # noqa: E402
 
 NEW_TOKENS = 16
-_SENTENCES = [
-    "The river bends past the old mill and the children race paper boats along it.",
-    "Paged attention keeps the keys and values of every token in fixed-size blocks.",
-    "A good cup of tea needs water that has only just stopped boiling.",
-    "The committee met on Tuesday to discuss the budget for the coming year.",
-    "Mountains in the north stay covered in snow until the end of spring.",
-    "She repaired the bicycle with a spanner, some oil and a lot of patience.",
-    "Compilers turn high-level programs into instructions that a processor runs.",
-    "The museum opened a new wing devoted to maps drawn by early explorers.",
-    "Bees visit thousands of flowers to make a single jar of honey.",
-    "The train to the coast was late again because of leaves on the line.",
-    "Her grandfather kept a diary of the weather for more than forty years.",
-]
 
 
 def long_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
@@ -56,7 +44,7 @@ def long_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
     closing question (deterministic; counted with the model's tokenizer)."""
     words, i = [], 0
     while True:
-        words.append(_SENTENCES[(seed * 5 + i * (seed % 4 + 3)) % len(_SENTENCES)])
+        words.append(SENTENCES[(seed * 5 + i * (seed % 4 + 3)) % len(SENTENCES)])
         i += 1
         ids = tokenizer(" ".join(words) + " In one sentence, the text is about").input_ids
         if len(ids) >= num_tokens:
