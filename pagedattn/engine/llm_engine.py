@@ -20,7 +20,7 @@ from pagedattn.engine.loading import LoadedModel
 from pagedattn.engine.model_runner import ModelRunner
 from pagedattn.engine.request import FinishReason, Request
 from pagedattn.engine.sampling_params import SamplingParams
-from pagedattn.engine.scheduler import ContextLengthError, RequestRejectedError, Scheduler
+from pagedattn.engine.scheduler import ContextLengthError, Scheduler
 from pagedattn.engine.structured_output import Grammars, StructuredOutput
 from pagedattn.models.loader import describe_model
 
@@ -154,12 +154,7 @@ class LLMEngine:
         """The prompt's ids if every one is in the vocabulary and one more token fits in
         the context; else ValueError (``ContextLengthError`` for the length) naming it."""
         ids = check_token_ids(prompt_token_ids, self.model_config.vocab_size, what)
-        if not ids:
-            raise RequestRejectedError(f"{what}: the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"{what}: the prompt has {len(ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens and one more token must fit")
+        self.scheduler.check_prompt_length(len(ids), what)
         return ids
 
     def max_new_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:

@@ -79,17 +79,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
+    def check_prompt_length(self, num_tokens: int, what: str) -> None:
+        """The one rule on a prompt's length: not empty, and one more token must fit in the
+        context. ``RequestRejectedError`` / ``ContextLengthError`` naming ``what``."""
+        if num_tokens == 0:
+            raise RequestRejectedError(f"{what}: the prompt is empty")
+        if num_tokens >= self.max_model_len:
+            raise ContextLengthError(
+                f"{what}: the prompt has {num_tokens} tokens; this model's context "
+                f"(max_model_len) is {self.max_model_len} tokens and one more token must fit")
+
     def add_request(self, req: Request) -> None:
         """Queue ``req``; raises :class:`RequestRejectedError` if it can never run."""
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in the scheduler")
-        n = req.num_prompt_tokens
-        if n == 0:
-            raise RequestRejectedError(f"request {req.req_id!r}: the prompt is empty")
-        if n >= self.max_model_len:
-            raise ContextLengthError(
-                f"request {req.req_id!r}: the prompt has {n} tokens, the model's context "
-                f"(max_model_len) is {self.max_model_len} and one more token must fit")
+        self.check_prompt_length(req.num_prompt_tokens, f"request {req.req_id!r}")
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
