@@ -85,45 +85,28 @@ def test_pack_rejects(weight, dtype, exc, match):
 
 
 @needs_native
-@pytest.mark.parametrize("case, exc, match", [
-    ("x_bf16", TypeError, "x must be float32"),
-    ("x_3d", ValueError, r"x must be 2-D"),
-    ("k_mismatch", ValueError, "x has 9 features but packed_weight has 8"),
-    ("n_mismatch", ValueError, "out_features 40 does not match packed_weight's 2 panels"),
-    ("n_zero", ValueError, "out_features 0 does not match"),
-    ("bias_shape", ValueError, r"bias must be \[20\]"),
-    ("bias_dtype", TypeError, "bias must be float32"),
-    ("packed_2d", ValueError, "packed_weight must be 3-D"),
-    ("packed_strided", ValueError, "packed_weight must be contiguous"),
-    ("packed_int", TypeError, "packed_weight must be float32, bfloat16 or float16"),
-    ("out_features_big", ValueError, "out_features must be an int in int64 range"),
-])
-def test_packed_linear_rejects(case, exc, match):
-    x, packed, bias, n = torch.randn(3, 8), ops.pack_linear_weight(torch.randn(20, 8)), None, 20
-    if case == "x_bf16":
-        x = x.bfloat16()
-    elif case == "x_3d":
-        x = x.view(3, 2, 4)
-    elif case == "k_mismatch":
-        x = torch.randn(3, 9)
-    elif case == "n_mismatch":
-        n = 40
-    elif case == "n_zero":
-        n = 0
-    elif case == "bias_shape":
-        bias = torch.randn(21)
-    elif case == "bias_dtype":
-        bias = torch.randn(20, dtype=torch.float64)
-    elif case == "packed_2d":
-        packed = packed.view(2, 128)
-    elif case == "packed_strided":
-        packed = torch.zeros(2, 16, 8).transpose(1, 2)
-    elif case == "packed_int":
-        packed = packed.to(torch.int16)
-    elif case == "out_features_big":
-        n = 2 ** 64
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(x=lambda a: a["x"].bfloat16()), TypeError, "x must be float32"),
+    (dict(x=lambda a: a["x"].view(3, 2, 4)), ValueError, r"x must be 2-D"),
+    (dict(x=lambda a: torch.randn(3, 9)), ValueError, "x has 9 features but packed_weight has 8"),
+    (dict(n=lambda a: 40), ValueError, "out_features 40 does not match packed_weight's 2 panels"),
+    (dict(n=lambda a: 0), ValueError, "out_features 0 does not match"),
+    (dict(bias=lambda a: torch.randn(21)), ValueError, r"bias must be \[20\]"),
+    (dict(bias=lambda a: torch.randn(20, dtype=torch.float64)), TypeError, "bias must be float32"),
+    (dict(packed=lambda a: a["packed"].view(2, 128)), ValueError, "packed_weight must be 3-D"),
+    (dict(packed=lambda a: torch.zeros(2, 16, 8).transpose(1, 2)), ValueError,
+     "packed_weight must be contiguous"),
+    (dict(packed=lambda a: a["packed"].to(torch.int16)), TypeError,
+     "packed_weight must be float32, bfloat16 or float16"),
+    (dict(n=lambda a: 2 ** 64), ValueError, "out_features must be an int in int64 range"),
+], ids=["x_bf16", "x_3d", "k_mismatch", "n_mismatch", "n_zero", "bias_shape", "bias_dtype",
+        "packed_2d", "packed_strided", "packed_int", "out_features_big"])
+def test_packed_linear_rejects(change, exc, match):
+    args = dict(x=torch.randn(3, 8), packed=ops.pack_linear_weight(torch.randn(20, 8)),
+                bias=None, n=20)
+    args.update({name: make(args) for name, make in change.items()})
     with pytest.raises(exc, match=match):
-        ops.packed_linear(x, packed, bias, n)
+        ops.packed_linear(args["x"], args["packed"], args["bias"], args["n"])
 
 
 # (d, in_features, rows): one and several panels per half, depths on and off the vector
