@@ -14,12 +14,9 @@ namespace {
 #include "decode_avx2.h"
 #include "model_kernels_impl.h"
 #include "prefill_lanes_avx2.h"
-template <>
-struct PrefillItem<VecAvx2, float> : LanesPrefillAvx2<float> {};
-template <>
-struct PrefillItem<VecAvx2, bf16_t> : LanesPrefillAvx2<bf16_t> {};
-template <>
-struct PrefillItem<VecAvx2, fp16_t> : LanesPrefillAvx2<fp16_t> {};
+// Every query dtype (float, bf16, fp16): the AVX2 lanes kernel converts K/V chunks to fp32.
+template <class T>
+struct PrefillItem<VecAvx2, T> : LanesPrefillAvx2<T> {};
 }  // namespace
 
 const KernelTable* kernels_avx2() {
