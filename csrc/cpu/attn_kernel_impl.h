@@ -2,8 +2,9 @@
 
 // The paged-attention kernel template, written once over a vector-ops struct `VO`
 // (VecPortable / VecAvx2 / VecAvx512 / VecNeon). Each kernels_<isa>.cpp includes the standard
-// headers, then (under its #pragma GCC target) opens an anonymous namespace and includes its
-// vec header and this file, so every ISA gets private copies of everything here.
+// headers (kernel_tu_includes.h), then (under its #pragma GCC target) opens an anonymous
+// namespace and includes its vec header and this file, so every ISA gets private copies of
+// everything here.
 //
 // Work item = (request, kv head, query-token tile, key range). Rows of the tile are
 // row = token * G + g for the G query heads sharing the kv head, so each K/V block is
@@ -338,36 +339,64 @@ struct AttnKernel {
     }
   }
 
+  using QElem = typename QkT::QElem;
+
+  // Where the item's buffers live in the kernel's scratch (attn_scratch_floats sizes it).
+  struct Scratch {
+    float* acc;    // [R, D]
+    QElem* qp;     // [R, D]
+    float* S;      // [Rh, lds] (one head at a time)
+    float* m;      // [R] running max
+    float* l;      // [R] running sum
+    int64_t* lo;   // [Rh] first visible key (8-byte aligned)
+    int64_t* hi;   // [Rh] last visible key
+    int64_t* pos;  // [Rh] absolute query position
+    E* kpad;       // [W, D] padded key group
+    E* kconv;      // [BS, D] decoded K (fp8)
+    E* vconv;      // [BS, D] decoded V (fp8)
+    int lds;
+  };
+  static Scratch carve(float* scratch, int R, int D, int BS) {
+    Scratch s;
+    s.lds = (BS + 2 * W + 15) / 16 * 16;
+    s.acc = scratch;
+    s.qp = reinterpret_cast<QElem*>(s.acc + R * D);
+    s.S = s.acc + 2 * R * D;
+    s.m = s.S + R * s.lds;
+    s.l = s.m + R;
+    s.lo = reinterpret_cast<int64_t*>(s.l + R);
+    s.hi = s.lo + R;
+    s.pos = s.hi + R;
+    s.kpad = reinterpret_cast<E*>((reinterpret_cast<uintptr_t>(s.pos + R) + 63) / 64 * 64);
+    s.kconv = reinterpret_cast<E*>((reinterpret_cast<uintptr_t>(s.kpad + W * D) + 63) / 64 * 64);
+    s.vconv = s.kconv + static_cast<int64_t>(BS) * D;
+    return s;
+  }
+
   static void run(const AttnParams& p, const WorkItem& it, float* scratch) {
-    const int D = p.head_size, BS = p.block_size;
+    if constexpr (std::is_same<T, C>::value)  // the lanes kernels read T caches only
+      if (!p.row_invariant && PrefillItem<VO, T>::run(p, it, scratch)) return;
+    const int G = p.num_heads / p.num_kv_heads;
+    const int R = it.heads() * (it.q_end - it.q_begin) * G;
+    const Scratch s = carve(scratch, R, p.head_size, p.block_size);
+    const KeyRange keys = init_rows(p, it, s);
+    if (keys.first <= keys.last) attend_blocks(p, it, s, keys.first, keys.last);
+    for (int r = 0; r < R; ++r) PvT::finish_row(s.acc + r * p.head_size, p.head_size);
+    finish(p, it, s.acc, s.m, s.l);
+  }
+
+  // Each row's visible keys and position, its packed query, and a zero accumulator, max
+  // and sum. Returns the union of the rows' visible ranges (first > last when empty).
+  static KeyRange init_rows(const AttnParams& p, const WorkItem& it, Scratch s) {
+    const int D = p.head_size;
     const int G = p.num_heads / p.num_kv_heads;
     const int64_t qs = p.query_start_loc[it.req];
     const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
     const int64_t kv_len = p.seq_lens[it.req];
     const int ntok = it.q_end - it.q_begin;
-    const int NH = it.heads();
     const int Rh = ntok * G;  // rows per kv head
-    const int R = NH * Rh;
-    const int lds = (BS + 2 * W + 15) / 16 * 16;
-    if constexpr (std::is_same<T, C>::value)  // the lanes kernels read T caches only
-      if (!p.row_invariant && PrefillItem<VO, T>::run(p, it, scratch)) return;
-
-    using QElem = typename QkT::QElem;
-    float* acc = scratch;                                   // [R, D]
-    QElem* qp = reinterpret_cast<QElem*>(acc + R * D);      // [R, D]
-    float* S = acc + 2 * R * D;                             // [Rh, lds] (one head at a time)
-    float* m = S + R * lds;                                 // [R] running max
-    float* l = m + R;                                       // [R] running sum
-    int64_t* lo = reinterpret_cast<int64_t*>(l + R);  // [Rh] first visible key (8-byte aligned)
-    int64_t* hi = lo + R;                                   // [Rh] last visible key
-    int64_t* pos = hi + R;                                  // [Rh] absolute query position
-    E* kpad = reinterpret_cast<E*>(                         // [W, D] padded key group
-        (reinterpret_cast<uintptr_t>(pos + R) + 63) / 64 * 64);
-    E* kconv = reinterpret_cast<E*>(                        // [BS, D] decoded K (fp8)
-        (reinterpret_cast<uintptr_t>(kpad + W * D) + 63) / 64 * 64);
-    E* vconv = kconv + static_cast<int64_t>(BS) * D;        // [BS, D] decoded V (fp8)
-
-    int64_t ulo = INT64_MAX, uhi = -1;  // union of the rows' visible ranges
+    const int R = it.heads() * Rh;
+    int64_t ulo = INT64_MAX, uhi = -1;
     for (int t = 0; t < ntok; ++t) {
       const int64_t ps = kv_len - q_len + it.q_begin + t;
       const KeyRange keys = visible_key_range(p, ps, it.kv_begin, it.kv_end);
@@ -378,91 +407,97 @@ struct AttnKernel {
       }
       for (int g = 0; g < G; ++g) {
         const int r = t * G + g;
-        lo[r] = a;
-        hi[r] = b;
-        pos[r] = ps;
+        s.lo[r] = a;
+        s.hi[r] = b;
+        s.pos[r] = ps;
       }
     }
     for (int r = 0; r < R; ++r) {
       QkT::pack(q_row(p, qs + it.q_begin + row_token(r, Rh, G), row_head(it, r, Rh, G)),
-                      qp + r * D, D);
-      m[r] = kNegInf;
-      l[r] = 0.f;
-      for (int d = 0; d < D; d += W) VO::store(acc + r * D + d, VO::zero());
+                      s.qp + r * D, D);
+      s.m[r] = kNegInf;
+      s.l[r] = 0.f;
+      for (int d = 0; d < D; d += W) VO::store(s.acc + r * D + d, VO::zero());
     }
+    return KeyRange{ulo, uhi};
+  }
 
-    if (ulo <= uhi) {
-      const ScoreTransform<VO> tr(p);
-      const int32_t* bt = p.block_table + it.req * p.bt_stride;
-      const C* kbase = static_cast<const C*>(p.k_cache) + it.kv_head * p.k_stride_head;
-      const C* vbase = static_cast<const C*>(p.v_cache) + it.kv_head * p.v_stride_head;
-      // Decode is memory-latency bound: a core's demand misses alone reach about a quarter
-      // of DRAM bandwidth (the 4 KiB pages of a paged block are scattered, so hardware
-      // prefetchers keep losing the stream), so software-prefetch K/V into L2 ~16 KiB
-      // ahead, evenly over the step (see PrefetchCursor; 16-32 KiB beat 64-128 KiB once
-      // spread). Steps are (block, head) pairs in the order they are computed.
-      const int64_t first = ulo / BS, last = uhi / BS;
-      const int64_t k_bytes = static_cast<int64_t>(BS) * p.k_stride_tok * sizeof(C);
-      const int64_t v_bytes = static_cast<int64_t>(BS) * p.v_stride_tok * sizeof(C);
-      const int64_t dist = std::max<int64_t>(1, (16 * 1024) / (k_bytes + v_bytes));
-      const int64_t nsteps = (last - first + 1) * NH;
-      auto cursor = [&](int64_t step) {
-        const int64_t phys = bt[first + step / NH];
-        const int64_t h = step % NH;
-        return PrefetchCursor{
-            reinterpret_cast<const char*>(kbase + phys * p.k_stride_block + h * p.k_stride_head),
-            reinterpret_cast<const char*>(vbase + phys * p.v_stride_block + h * p.v_stride_head),
-            k_bytes, v_bytes};
-      };
-      // Pages are touched (one line each) further ahead than lines are prefetched: a
-      // page's first access pays a page walk, as the pool is far larger than the TLB's
-      // reach, and a prefetch waiting on a walk holds a miss slot (docs/performance.md,
-      // "Decode prefetching").
-      const int64_t page_ahead = std::max<int64_t>(dist + 1, (64 * 1024) / (k_bytes + v_bytes));
-      // The item's first steps: step 0 too, whose loads would otherwise all miss on demand
-      // (split decodes start several items per thread).
-      for (int64_t st = 0; st < std::min(nsteps, page_ahead); ++st) {
-        PrefetchCursor warm = cursor(st);
-        if (st < dist) warm.issue(warm.lines());
-        else warm.touch_pages();
-      }
-      for (int64_t st = 0; st < nsteps; ++st) {
-        const int64_t blk = first + st / NH;
-        const int h = static_cast<int>(st % NH);
-        // The lines of step st + dist are spread over this step's q.k and P.V.
-        PrefetchCursor pf;
-        if (st + dist < nsteps) pf = cursor(st + dist);
-        if (st + page_ahead < nsteps) cursor(st + page_ahead).touch_pages();
-        const int64_t base = blk * BS;
-        const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
-        const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, BS));
-        const int64_t phys = bt[blk];
-        const C* kb = kbase + phys * p.k_stride_block + h * p.k_stride_head;
-        const C* vb = vbase + phys * p.v_stride_block + h * p.v_stride_head;
-        const E* ke = reinterpret_cast<const E*>(kb);  // the rows the kernels read
-        const E* ve = reinterpret_cast<const E*>(vb);
-        int64_t kst = p.k_stride_tok, vst = p.v_stride_tok;
-        if constexpr (Conv::kActive) {
-          const int ta = t0 / W * W;
-          Conv::rows(kb + ta * kst, kst, kconv + ta * D, t1 - ta, D);
-          Conv::rows(vb + t0 * vst, vst, vconv + t0 * D, t1 - t0, D);
-          ke = kconv;
-          ve = vconv;
-          kst = vst = D;
-        }
-        const int r0 = h * Rh;
-        pf.pace(qk_ticks(Rh, t0, t1) + PvT::ticks(Rh, t0, t1, D));
-        qk(qp + r0 * D, Rh, ke, kst, t0, t1, S, lds, D, BS, kpad, pf);
-        for (int r = 0; r < Rh; ++r)
-          softmax_row(p, tr, (it.kv_head + h) * G + r % G, S + r * lds, base, t0, t1, lo[r],
-                      hi[r], pos[r], m + r0 + r, l + r0 + r, acc + (r0 + r) * D, D);
-        pv_visible(S, lds, Rh, ve, vst, base, t0, t1, lo, hi, acc + r0 * D, D, pf);
-        pf.issue(pf.lines());
-      }
+  // q.k, online softmax and P.V over the blocks holding keys [ulo, uhi], one (block, head)
+  // step at a time, prefetching later steps' K/V.
+  static void attend_blocks(const AttnParams& p, const WorkItem& it, Scratch s,
+                            int64_t ulo, int64_t uhi) {
+    const int D = p.head_size, BS = p.block_size;
+    const int G = p.num_heads / p.num_kv_heads;
+    const int NH = it.heads();
+    const int Rh = (it.q_end - it.q_begin) * G;  // rows per kv head
+    const int lds = s.lds;
+    const ScoreTransform<VO> tr(p);
+    const int32_t* bt = p.block_table + it.req * p.bt_stride;
+    const C* kbase = static_cast<const C*>(p.k_cache) + it.kv_head * p.k_stride_head;
+    const C* vbase = static_cast<const C*>(p.v_cache) + it.kv_head * p.v_stride_head;
+    // Decode is memory-latency bound: a core's demand misses alone reach about a quarter
+    // of DRAM bandwidth (the 4 KiB pages of a paged block are scattered, so hardware
+    // prefetchers keep losing the stream), so software-prefetch K/V into L2 ~16 KiB
+    // ahead, evenly over the step (see PrefetchCursor; 16-32 KiB beat 64-128 KiB once
+    // spread). Steps are (block, head) pairs in the order they are computed.
+    const int64_t first = ulo / BS, last = uhi / BS;
+    const int64_t k_bytes = static_cast<int64_t>(BS) * p.k_stride_tok * sizeof(C);
+    const int64_t v_bytes = static_cast<int64_t>(BS) * p.v_stride_tok * sizeof(C);
+    const int64_t dist = std::max<int64_t>(1, (16 * 1024) / (k_bytes + v_bytes));
+    const int64_t nsteps = (last - first + 1) * NH;
+    auto cursor = [&](int64_t step) {
+      const int64_t phys = bt[first + step / NH];
+      const int64_t h = step % NH;
+      return PrefetchCursor{
+          reinterpret_cast<const char*>(kbase + phys * p.k_stride_block + h * p.k_stride_head),
+          reinterpret_cast<const char*>(vbase + phys * p.v_stride_block + h * p.v_stride_head),
+          k_bytes, v_bytes};
+    };
+    // Pages are touched (one line each) further ahead than lines are prefetched: a
+    // page's first access pays a page walk, as the pool is far larger than the TLB's
+    // reach, and a prefetch waiting on a walk holds a miss slot (docs/performance.md,
+    // "Decode prefetching").
+    const int64_t page_ahead = std::max<int64_t>(dist + 1, (64 * 1024) / (k_bytes + v_bytes));
+    // The item's first steps: step 0 too, whose loads would otherwise all miss on demand
+    // (split decodes start several items per thread).
+    for (int64_t st = 0; st < std::min(nsteps, page_ahead); ++st) {
+      PrefetchCursor warm = cursor(st);
+      if (st < dist) warm.issue(warm.lines());
+      else warm.touch_pages();
     }
-
-    for (int r = 0; r < R; ++r) PvT::finish_row(acc + r * D, D);
-    finish(p, it, acc, m, l);
+    for (int64_t st = 0; st < nsteps; ++st) {
+      const int64_t blk = first + st / NH;
+      const int h = static_cast<int>(st % NH);
+      // The lines of step st + dist are spread over this step's q.k and P.V.
+      PrefetchCursor pf;
+      if (st + dist < nsteps) pf = cursor(st + dist);
+      if (st + page_ahead < nsteps) cursor(st + page_ahead).touch_pages();
+      const int64_t base = blk * BS;
+      const int t0 = static_cast<int>(std::max<int64_t>(ulo - base, 0));
+      const int t1 = static_cast<int>(std::min<int64_t>(uhi + 1 - base, BS));
+      const int64_t phys = bt[blk];
+      const C* kb = kbase + phys * p.k_stride_block + h * p.k_stride_head;
+      const C* vb = vbase + phys * p.v_stride_block + h * p.v_stride_head;
+      const E* ke = reinterpret_cast<const E*>(kb);  // the rows the kernels read
+      const E* ve = reinterpret_cast<const E*>(vb);
+      int64_t kst = p.k_stride_tok, vst = p.v_stride_tok;
+      if constexpr (Conv::kActive) {
+        const int ta = t0 / W * W;
+        Conv::rows(kb + ta * kst, kst, s.kconv + ta * D, t1 - ta, D);
+        Conv::rows(vb + t0 * vst, vst, s.vconv + t0 * D, t1 - t0, D);
+        ke = s.kconv;
+        ve = s.vconv;
+        kst = vst = D;
+      }
+      const int r0 = h * Rh;
+      pf.pace(qk_ticks(Rh, t0, t1) + PvT::ticks(Rh, t0, t1, D));
+      qk(s.qp + r0 * D, Rh, ke, kst, t0, t1, s.S, lds, D, BS, s.kpad, pf);
+      for (int r = 0; r < Rh; ++r)
+        softmax_row(p, tr, (it.kv_head + h) * G + r % G, s.S + r * lds, base, t0, t1, s.lo[r],
+                    s.hi[r], s.pos[r], s.m + r0 + r, s.l + r0 + r, s.acc + (r0 + r) * D, D);
+      pv_visible(s.S, lds, Rh, ve, vst, base, t0, t1, s.lo, s.hi, s.acc + r0 * D, D, pf);
+      pf.issue(pf.lines());
+    }
   }
 
   // acc[r] += P[r] . V over keys [t0, t1) of a block. Rows that see only part of it (the

@@ -29,6 +29,33 @@ void quantize_row_any(uint8_t* dst, const char* src, at::ScalarType t, int64_t n
     default: return quantize_row<F>(dst, reinterpret_cast<const at::Half*>(src), n, scale);
   }
 }
+
+// Calls row(k_dst, k_src, v_dst, v_src) with the byte addresses of the cache rows and the
+// key/value rows of each (token with a slot, kv head), tokens [0, n) split over threads in
+// chunks of `grain` (a quantised row costs more than a copied one).
+template <class F>
+void for_each_slot_row(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const int64_t* slots, int64_t n, int64_t grain,
+                       const F& row) {
+  const int64_t kvh = key_cache.size(1), bs = key_cache.size(2);
+  const int64_t es = key.element_size(), ces = key_cache.element_size();
+  const auto* kp = static_cast<const char*>(key.data_ptr());
+  const auto* vp = static_cast<const char*>(value.data_ptr());
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;  // PAD_SLOT_ID
+      const int64_t blk = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < kvh; ++h)
+        row(kc + (blk * key_cache.stride(0) + h * key_cache.stride(1) + off * key_cache.stride(2)) * ces,
+            kp + (i * key.stride(0) + h * key.stride(1)) * es,
+            vc + (blk * value_cache.stride(0) + h * value_cache.stride(1) + off * value_cache.stride(2)) * ces,
+            vp + (i * value.stride(0) + h * value.stride(1)) * es);
+    }
+  });
+}
 }  // namespace
 
 void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
@@ -75,46 +102,23 @@ void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                       " slots (max ", num_slots - 1, "; negative = padding)");
   if (n == 0) return;
 
-  const int64_t es = key.element_size();
-  const auto* kp = static_cast<const char*>(key.data_ptr());
-  const auto* vp = static_cast<const char*>(value.data_ptr());
-  auto* kc = static_cast<char*>(key_cache.data_ptr());
-  auto* vc = static_cast<char*>(value_cache.data_ptr());
   if (is_fp8(cache_dt)) {
     const auto quantize = cache_dt == DType::kFp8E4m3 ? &quantize_row_any<Fp8E4m3>
                                                       : &quantize_row_any<Fp8E5m2>;
     const at::ScalarType st = key.scalar_type();
     const auto ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
-    at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t slot = slots[i];
-        if (slot < 0) continue;  // PAD_SLOT_ID
-        const int64_t blk = slot / bs, off = slot % bs;
-        for (int64_t h = 0; h < kvh; ++h) {
-          quantize(reinterpret_cast<uint8_t*>(kc) + blk * key_cache.stride(0) +
-                       h * key_cache.stride(1) + off * key_cache.stride(2),
-                   kp + (i * key.stride(0) + h * key.stride(1)) * es, st, hs, ks);
-          quantize(reinterpret_cast<uint8_t*>(vc) + blk * value_cache.stride(0) +
-                       h * value_cache.stride(1) + off * value_cache.stride(2),
-                   vp + (i * value.stride(0) + h * value.stride(1)) * es, st, hs, vs);
-        }
-      }
+    for_each_slot_row(key, value, key_cache, value_cache, slots, n, 16,
+                      [&](char* kdst, const char* ksrc, char* vdst, const char* vsrc) {
+      quantize(reinterpret_cast<uint8_t*>(kdst), ksrc, st, hs, ks);
+      quantize(reinterpret_cast<uint8_t*>(vdst), vsrc, st, hs, vs);
     });
     return;
   }
-  const int64_t row = hs * es;
-  at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t slot = slots[i];
-      if (slot < 0) continue;  // PAD_SLOT_ID
-      const int64_t blk = slot / bs, off = slot % bs;
-      for (int64_t h = 0; h < kvh; ++h) {
-        std::memcpy(kc + (blk * key_cache.stride(0) + h * key_cache.stride(1) + off * key_cache.stride(2)) * es,
-                    kp + (i * key.stride(0) + h * key.stride(1)) * es, row);
-        std::memcpy(vc + (blk * value_cache.stride(0) + h * value_cache.stride(1) + off * value_cache.stride(2)) * es,
-                    vp + (i * value.stride(0) + h * value.stride(1)) * es, row);
-      }
-    }
+  const int64_t row = hs * key.element_size();
+  for_each_slot_row(key, value, key_cache, value_cache, slots, n, 64,
+                    [&](char* kdst, const char* ksrc, char* vdst, const char* vsrc) {
+    std::memcpy(kdst, ksrc, row);
+    std::memcpy(vdst, vsrc, row);
   });
 }
 

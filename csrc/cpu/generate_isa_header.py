@@ -8,23 +8,17 @@ isa.py:  python csrc/cpu/generate_isa_header.py   (tests check the checked-in fi
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests load this by path
+from header_gen import HERE, load_by_path, write  # noqa: E402
+
 HEADER = os.path.join(HERE, "isa_generated.h")
 
 
 def load_isa_module():
-    # Load by path: importing the pagedattn package would pull in torch and the extension.
-    path = os.path.join(ROOT, "pagedattn", "ops", "isa.py")
-    spec = importlib.util.spec_from_file_location("_pagedattn_isa_names", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclass/enum machinery looks the module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_by_path(os.path.join("pagedattn", "ops", "isa.py"), "_pagedattn_isa_names")
 
 
 def camel(name: str) -> str:
@@ -74,30 +68,30 @@ def render(isa) -> str:
             f"constexpr int32_t kMetaMagicValue = {isa.METADATA_MAGIC:#x};",
             f"constexpr int32_t kMetaVersionValue = {isa.METADATA_VERSION};", ""]
 
+    # Grouped by architecture macro: one #if per architecture, not one per ISA.
+    by_macro: dict = {}
+    for n in isa.CPU_ISA_NAMES:
+        by_macro.setdefault(isa.CPU_ISA_ARCH_MACRO[n], []).append(n)
+
+    def guarded(lines_of) -> list[str]:
+        lines = []
+        for macro, names in by_macro.items():
+            body = [line for n in names for line in lines_of(n)]
+            lines += [f"#if defined({macro})", *body, "#endif"] if macro else body
+        return lines
+
     out += ["// One kernel table per ISA translation unit (defined in kernels_<isa>.cpp).",
             "struct KernelTable;"]
-    for n in isa.CPU_ISA_NAMES:
-        macro = isa.CPU_ISA_ARCH_MACRO[n]
-        decl = f"const KernelTable* kernels_{n}();"
-        out += [f"#if defined({macro})", decl, "#endif"] if macro else [decl]
+    out += guarded(lambda n: [f"const KernelTable* kernels_{n}();"])
     out += ["", "// nullptr when this build's architecture has no such kernels.",
             "inline const KernelTable* kernel_table_for(CpuIsa isa) {", "  switch (isa) {"]
-    for n in isa.CPU_ISA_NAMES:
-        macro = isa.CPU_ISA_ARCH_MACRO[n]
-        out.append(f"    case CpuIsa::{camel(n)}:")
-        if macro:
-            out += [f"#if defined({macro})", f"      return kernels_{n}();", "#else",
-                    "      return nullptr;", "#endif"]
-        else:
-            out.append(f"      return kernels_{n}();")
-    out += ["  }", "  return nullptr;", "}", "", "}  // namespace pagedattn", ""]
+    out += guarded(lambda n: [f"    case CpuIsa::{camel(n)}: return kernels_{n}();"])
+    out += ["    default: return nullptr;", "  }", "}", "", "}  // namespace pagedattn", ""]
     return "\n".join(out)
 
 
 def main() -> None:
-    text = render(load_isa_module())
-    with open(HEADER, "w") as f:
-        f.write(text)
+    write(HEADER, render(load_isa_module()))
 
 
 if __name__ == "__main__":

@@ -8,23 +8,18 @@ advertised sizes, so the two cannot drift. Run after editing kernel_shapes.py:
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests load this by path
+from header_gen import HERE, load_by_path, write  # noqa: E402
+
 HEADER = os.path.join(HERE, "kernel_shapes_generated.h")
 
 
 def load_shapes_module():
-    # By path: importing the package would pull in torch and the extension.
-    path = os.path.join(ROOT, "pagedattn", "ops", "kernel_shapes.py")
-    spec = importlib.util.spec_from_file_location("_pagedattn_kernel_shapes", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_by_path(os.path.join("pagedattn", "ops", "kernel_shapes.py"),
+                        "_pagedattn_kernel_shapes")
 
 
 def _switch(name: str, values) -> list[str]:
@@ -56,8 +51,7 @@ def render(shapes) -> str:
 
 
 def main() -> None:
-    with open(HEADER, "w") as f:
-        f.write(render(load_shapes_module()))
+    write(HEADER, render(load_shapes_module()))
 
 
 if __name__ == "__main__":

@@ -88,11 +88,7 @@ struct KernelTable;
 const KernelTable* kernels_scalar();
 #if defined(__x86_64__)
 const KernelTable* kernels_avx2();
-#endif
-#if defined(__x86_64__)
 const KernelTable* kernels_avx512();
-#endif
-#if defined(__x86_64__)
 const KernelTable* kernels_avx512bf16();
 #endif
 #if defined(__aarch64__)
@@ -102,34 +98,17 @@ const KernelTable* kernels_neon();
 // nullptr when this build's architecture has no such kernels.
 inline const KernelTable* kernel_table_for(CpuIsa isa) {
   switch (isa) {
-    case CpuIsa::kScalar:
-      return kernels_scalar();
-    case CpuIsa::kAvx2:
+    case CpuIsa::kScalar: return kernels_scalar();
 #if defined(__x86_64__)
-      return kernels_avx2();
-#else
-      return nullptr;
+    case CpuIsa::kAvx2: return kernels_avx2();
+    case CpuIsa::kAvx512: return kernels_avx512();
+    case CpuIsa::kAvx512bf16: return kernels_avx512bf16();
 #endif
-    case CpuIsa::kAvx512:
-#if defined(__x86_64__)
-      return kernels_avx512();
-#else
-      return nullptr;
-#endif
-    case CpuIsa::kAvx512bf16:
-#if defined(__x86_64__)
-      return kernels_avx512bf16();
-#else
-      return nullptr;
-#endif
-    case CpuIsa::kNeon:
 #if defined(__aarch64__)
-      return kernels_neon();
-#else
-      return nullptr;
+    case CpuIsa::kNeon: return kernels_neon();
 #endif
+    default: return nullptr;
   }
-  return nullptr;
 }
 
 }  // namespace pagedattn

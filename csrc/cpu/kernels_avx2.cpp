@@ -2,16 +2,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-
-#include "isa_generated.h"
-#include "kernel_api.h"
-#include "kernel_shapes_generated.h"
+#include "kernel_tu_includes.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -21,22 +12,15 @@ namespace {
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
 #include "decode_avx2.h"
-#include "linear_kernel_impl.h"
-#include "layer_kernel_impl.h"
-#include "stream_read_impl.h"
+#include "model_kernels_impl.h"
 #include "prefill_lanes_avx2.h"
-template <>
-struct PrefillItem<VecAvx2, float> : LanesPrefillAvx2<float> {};
-template <>
-struct PrefillItem<VecAvx2, bf16_t> : LanesPrefillAvx2<bf16_t> {};
-template <>
-struct PrefillItem<VecAvx2, fp16_t> : LanesPrefillAvx2<fp16_t> {};
+// Every query dtype (float, bf16, fp16): the AVX2 lanes kernel converts K/V chunks to fp32.
+template <class T>
+struct PrefillItem<VecAvx2, T> : LanesPrefillAvx2<T> {};
 }  // namespace
 
 const KernelTable* kernels_avx2() {
-  static const KernelTable table =
-      with_stream_kernels<VecAvx2>(
-          with_model_kernels<VecAvx2>(make_kernel_table<VecAvx2>("avx2")));
+  static const KernelTable table = make_isa_kernel_table<VecAvx2>("avx2");
   return &table;
 }
 

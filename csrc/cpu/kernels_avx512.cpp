@@ -2,15 +2,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-
-#include "isa_generated.h"
-#include "kernel_api.h"
+#include "kernel_tu_includes.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -28,18 +20,14 @@ template <>
 struct CacheConvert<VecAvx512, bf16_t, fp8_e4m3_t> : Fp8ToBf16Rows<fp8_e4m3_t, kE4m3Bf16> {};
 template <>
 struct CacheConvert<VecAvx512, bf16_t, fp8_e5m2_t> : Fp8ToBf16Rows<fp8_e5m2_t, kE5m2Bf16> {};
-#include "linear_kernel_impl.h"
-#include "layer_kernel_impl.h"
-#include "stream_read_impl.h"
+#include "model_kernels_impl.h"
 #include "prefill_lanes_avx512.h"
 template <>
 struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 }  // namespace
 
 const KernelTable* kernels_avx512() {
-  static const KernelTable table =
-      with_stream_kernels<VecAvx512>(
-          with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512")));
+  static const KernelTable table = make_isa_kernel_table<VecAvx512, VecAvx2>("avx512");
   return &table;
 }
 

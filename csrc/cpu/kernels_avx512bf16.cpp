@@ -2,16 +2,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-
-#include "isa_generated.h"
-#include "kernel_api.h"
-#include "kernel_shapes_generated.h"
+#include "kernel_tu_includes.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
@@ -21,9 +12,7 @@ namespace {
 #include "vec_avx512.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
-#include "linear_kernel_impl.h"
-#include "layer_kernel_impl.h"
-#include "stream_read_impl.h"
+#include "model_kernels_impl.h"
 #include "linear_dpbf16_impl.h"
 
 // bf16 words of a key/value row for the vdpbf16ps kernels below: 32 at a time, or the
@@ -292,8 +281,7 @@ struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 
 const KernelTable* kernels_avx512bf16() {
   static const KernelTable table = [] {
-    KernelTable t = with_stream_kernels<VecAvx512>(
-        with_model_kernels<VecAvx512>(make_kernel_table<VecAvx512, VecAvx2>("avx512bf16")));
+    KernelTable t = make_isa_kernel_table<VecAvx512, VecAvx2>("avx512bf16");
     t.linear_dpbf16_block = &linear_dpbf16_block;
     return t;
   }();

@@ -150,6 +150,74 @@ struct LanesPrefill {
     }
   }
 
+  // qk / pv over all NG row groups, two at a time.
+  static void qk_groups(const float* qp, int Rp, int NG, const T* kb, int64_t kst, int ta, int tb,
+                        int D, float* st) {
+    int g0 = 0;
+    for (; g0 + 2 <= NG; g0 += 2) qk<2>(qp, Rp, g0, kb, kst, ta, tb, D, st);
+    if (g0 < NG) qk<1>(qp, Rp, g0, kb, kst, ta, tb, D, st);
+  }
+  static void pv_groups(const float* P, const T* vb, int64_t vst, int j0, int j1, int Rp, int NG,
+                        int D, float* ot) {
+    int g0 = 0;
+    for (; g0 + 2 <= NG; g0 += 2) pv<2>(P, vb, vst, j0, j1, Rp, g0, D, ot);
+    if (g0 < NG) pv<1>(P, vb, vst, j0, j1, Rp, g0, D, ot);
+  }
+
+  // qp [D/QS][Rp] = Q^T of the item's R rows, 16 rows x 16 words (fp32 elements or bf16
+  // pairs) at a time; padding rows are 0.
+  static void pack_qt(const AttnParams& p, const WorkItem& it, int R, int Rp, float* qp) {
+    const int D = p.head_size;
+    const int G = p.num_heads / p.num_kv_heads;
+    const int64_t qs = p.query_start_loc[it.req];
+    const int U = D / QS;
+    for (int r0 = 0; r0 < Rp; r0 += 16)
+      for (int u0 = 0; u0 < U; u0 += 16) {
+        const __mmask16 mk = U - u0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (U - u0)) - 1);
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i) {
+          const int r = r0 + i;
+          x[i] = r < R ? _mm512_maskz_loadu_ps(mk, Kern::q_row(p, qs + it.q_begin + r / G,
+                                                               it.kv_head * G + r % G) + QS * u0)
+                       : _mm512_setzero_ps();
+        }
+        transpose16(x);
+        for (int j = 0; j < 16 && u0 + j < U; ++j) _mm512_storeu_ps(qp + (u0 + j) * Rp + r0, x[j]);
+      }
+  }
+
+  // vp [np][2D] = (V[t][d], V[t+1][d]) bf16 pairs over keys [ta, tb), np = (tb - ta) / 2;
+  // keys outside [t0, t1) are zero (never read them: unwritten cache rows may hold NaN,
+  // and 0 * NaN would poison the sums).
+  static int pack_v_pairs(const T* vb, int64_t vst, int ta, int tb, int t0, int t1, int D, T* vp) {
+    const int np = (tb - ta) / 2;
+    for (int j = 0; j < np; ++j) {
+      const int t = ta + 2 * j;
+      const bool in0 = t >= t0 && t < t1, in1 = t + 1 >= t0 && t + 1 < t1;
+      for (int d = 0; d < D; d += 16) {
+        const auto row = [&](int tt) {
+          return _mm512_cvtepu16_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + tt * vst + d)));
+        };
+        const __m512i x = in0 ? row(t) : _mm512_setzero_si512();
+        const __m512i y = in1 ? row(t + 1) : _mm512_setzero_si512();
+        _mm512_storeu_si512(vp + j * 2 * D + 2 * d, _mm512_or_si512(x, _mm512_slli_epi32(y, 16)));
+      }
+    }
+    return np;
+  }
+
+  // acc [R][D] = the first R rows of (O^T [D][Rp])^T.
+  static void store_rows(const float* ot, int R, int Rp, int D, float* acc) {
+    for (int r0 = 0; r0 < Rp; r0 += 16)
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i) x[i] = _mm512_loadu_ps(ot + (d0 + i) * Rp + r0);
+        transpose16(x);
+        for (int j = 0; j < 16 && r0 + j < R; ++j) _mm512_storeu_ps(acc + (r0 + j) * D + d0, x[j]);
+      }
+  }
+
   static bool run(const AttnParams& p, const WorkItem& it, float* scratch) {
     const int D = p.head_size, BS = p.block_size;
     const int G = p.num_heads / p.num_kv_heads;
@@ -172,24 +240,9 @@ struct LanesPrefill {
     const int32_t *lo = rows.lo, *hi = rows.hi;
     float* acc = rows.slope + Rp;  // [R][D] rows for finish
 
-    const int64_t qs = p.query_start_loc[it.req];
     int64_t ulo, uhi;
     init_lane_rows(p, it, Rp, rows, &ulo, &uhi);
-    // Q^T: 16 rows x 16 words (fp32 elements or bf16 pairs) at a time; padding rows are 0.
-    const int U = D / QS;
-    for (int r0 = 0; r0 < Rp; r0 += 16)
-      for (int u0 = 0; u0 < U; u0 += 16) {
-        const __mmask16 mk = U - u0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (U - u0)) - 1);
-        __m512 x[16];
-        for (int i = 0; i < 16; ++i) {
-          const int r = r0 + i;
-          x[i] = r < R ? _mm512_maskz_loadu_ps(mk, Kern::q_row(p, qs + it.q_begin + r / G,
-                                                               it.kv_head * G + r % G) + QS * u0)
-                       : _mm512_setzero_ps();
-        }
-        transpose16(x);
-        for (int j = 0; j < 16 && u0 + j < U; ++j) _mm512_storeu_ps(qp + (u0 + j) * Rp + r0, x[j]);
-      }
+    pack_qt(p, it, R, Rp, qp);
     for (int i = 0; i < D * Rp; i += 16) _mm512_storeu_ps(ot + i, _mm512_setzero_ps());
 
     if (ulo <= uhi) {
@@ -205,9 +258,7 @@ struct LanesPrefill {
         const T* kb = kbase + phys * p.k_stride_block;
         const T* vb = vbase + phys * p.v_stride_block;
         // Keys [ta, tb) exist in the block; what those past t1 hold is masked to -inf below.
-        int g0 = 0;
-        for (; g0 + 2 <= NG; g0 += 2) qk<2>(qp, Rp, g0, kb, p.k_stride_tok, ta, tb, D, st);
-        if (g0 < NG) qk<1>(qp, Rp, g0, kb, p.k_stride_tok, ta, tb, D, st);
+        qk_groups(qp, Rp, NG, kb, p.k_stride_tok, ta, tb, D, st);
 
         // Online softmax, 16 rows per vector, 2 keys a step.
         lanes_softmax_block<VecAvx512, 2>(p, rows, Rp, base, ta, tb, st, ot, D,
@@ -230,40 +281,15 @@ struct LanesPrefill {
           continue;
         }
         if constexpr (kBf16) {
-          // V pairs over keys [ta, tb); keys outside [t0, t1) are zero (never read them:
-          // unwritten cache rows may hold NaN, and 0 * NaN would poison the sums).
-          const int np = (tb - ta) / 2;
-          for (int j = 0; j < np; ++j) {
-            const int t = ta + 2 * j;
-            const bool in0 = t >= t0 && t < t1, in1 = t + 1 >= t0 && t + 1 < t1;
-            for (int d = 0; d < D; d += 16) {
-              const auto row = [&](int tt) {
-                return _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                    reinterpret_cast<const __m256i*>(vb + tt * p.v_stride_tok + d)));
-              };
-              const __m512i x = in0 ? row(t) : _mm512_setzero_si512();
-              const __m512i y = in1 ? row(t + 1) : _mm512_setzero_si512();
-              _mm512_storeu_si512(vp + j * 2 * D + 2 * d, _mm512_or_si512(x, _mm512_slli_epi32(y, 16)));
-            }
-          }
-          g0 = 0;
-          for (; g0 + 2 <= NG; g0 += 2) pv<2>(pp, vp, 2 * D, 0, np, Rp, g0, D, ot);
-          if (g0 < NG) pv<1>(pp, vp, 2 * D, 0, np, Rp, g0, D, ot);
-        } else {  // only keys [t0, t1): the others may be NaN, see above
-          g0 = 0;
-          for (; g0 + 2 <= NG; g0 += 2) pv<2>(st, vb, p.v_stride_tok, t0, t1, Rp, g0, D, ot);
-          if (g0 < NG) pv<1>(st, vb, p.v_stride_tok, t0, t1, Rp, g0, D, ot);
+          const int np = pack_v_pairs(vb, p.v_stride_tok, ta, tb, t0, t1, D, vp);
+          pv_groups(pp, vp, 2 * D, 0, np, Rp, NG, D, ot);
+        } else {  // only keys [t0, t1): the others may be NaN (see pack_v_pairs)
+          pv_groups(st, vb, p.v_stride_tok, t0, t1, Rp, NG, D, ot);
         }
       }
     }
 
-    for (int r0 = 0; r0 < Rp; r0 += 16)
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        __m512 x[16];
-        for (int i = 0; i < 16; ++i) x[i] = _mm512_loadu_ps(ot + (d0 + i) * Rp + r0);
-        transpose16(x);
-        for (int j = 0; j < 16 && r0 + j < R; ++j) _mm512_storeu_ps(acc + (r0 + j) * D + d0, x[j]);
-      }
+    store_rows(ot, R, Rp, D, acc);
     Kern::finish(p, it, acc, rows.m, rows.l);
     return true;
   }

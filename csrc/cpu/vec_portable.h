@@ -3,8 +3,10 @@
 // portable code, but not one float at a time. Included inside an anonymous namespace,
 // after vec_scalar.h (whose bit-exact conversions it reuses lane by lane).
 
-struct VecPortable {
-  typedef float V __attribute__((vector_size(16)));
+typedef float PortableF32x4 __attribute__((vector_size(16)));
+
+struct VecPortable : OperatorArith<PortableF32x4> {
+  using V = PortableF32x4;
   typedef int32_t VI __attribute__((vector_size(16)));
   typedef uint32_t VU __attribute__((vector_size(16)));
   using M = VI;  // lane mask: -1 (true) or 0
@@ -15,12 +17,6 @@ struct VecPortable {
   static V set1(float x) { return V{x, x, x, x}; }
   static V load(const float* p) { V v; std::memcpy(&v, p, sizeof(V)); return v; }
   static void store(float* p, V v) { std::memcpy(p, &v, sizeof(V)); }
-  static V fma(V a, V b, V c) { return a * b + c; }
-  static V add(V a, V b) { return a + b; }
-  static V sub(V a, V b) { return a - b; }
-  static V mul(V a, V b) { return a * b; }
-  static V div(V a, V b) { return a / b; }
-  static V max(V a, V b) { return a > b ? a : b; }
   static float hsum(V v) { return (v[0] + v[2]) + (v[1] + v[3]); }
   static float hmax(V v) { return std::max(std::max(v[0], v[1]), std::max(v[2], v[3])); }
   static V reduce_lanes(const V* a) { return V{hsum(a[0]), hsum(a[1]), hsum(a[2]), hsum(a[3])}; }

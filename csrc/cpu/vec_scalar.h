@@ -55,7 +55,19 @@ inline uint16_t float_to_fp16(float f) {
   return sign | static_cast<uint16_t>(m >> 13);
 }
 
-struct VecScalar {
+// Arithmetic written with C++ operators: the same code for a float and for a GCC vector
+// extension type (VecPortable), whose operators act lane by lane.
+template <class V>
+struct OperatorArith {
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
+  static V max(V a, V b) { return a > b ? a : b; }
+};
+
+struct VecScalar : OperatorArith<float> {
   using V = float;
   using VI = int32_t;
   using M = bool;
@@ -66,12 +78,6 @@ struct VecScalar {
   static V set1(float x) { return x; }
   static V load(const float* p) { return *p; }
   static void store(float* p, V v) { *p = v; }
-  static V fma(V a, V b, V c) { return a * b + c; }
-  static V add(V a, V b) { return a + b; }
-  static V sub(V a, V b) { return a - b; }
-  static V mul(V a, V b) { return a * b; }
-  static V div(V a, V b) { return a / b; }
-  static V max(V a, V b) { return a > b ? a : b; }
   static float hsum(V v) { return v; }
   static float hmax(V v) { return v; }
   static V reduce_lanes(const V* a) { return a[0]; }
