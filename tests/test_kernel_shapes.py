@@ -4,8 +4,8 @@ with it value by value; the backend and CacheConfig advertise exactly it."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -17,13 +17,17 @@ from pagedattn.ops import kernel_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 native = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
+sys.path.insert(0, os.path.join(ROOT, "csrc", "cpu"))
+from header_gen import load_by_path  # noqa: E402
+
+
+def generator(script: str):
+    """A csrc/cpu/generate_*_header.py script, loaded as a module."""
+    return load_by_path(os.path.join("csrc", "cpu", script), "_" + script[:-3])
 
 
 def test_generated_header_is_current():
-    path = os.path.join(ROOT, "csrc", "cpu", "generate_shapes_header.py")
-    spec = importlib.util.spec_from_file_location("_gen_shapes_header", path)
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = generator("generate_shapes_header.py")
     with open(gen.HEADER) as f:
         assert gen.render(gen.load_shapes_module()) == f.read(), (
             "csrc/cpu/kernel_shapes_generated.h is stale: run "

@@ -5,7 +5,6 @@ handling, and a native-vs-reference smoke test under every ISA this CPU executes
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import subprocess
@@ -20,16 +19,14 @@ from pagedattn.backends.cpu_runtime import kernel_variant
 from pagedattn.ops.isa import CPU_ISA_NAMES, CpuIsa, IsaHint
 from pagedattn.testing import TOLERANCES, BatchSpec, make_paged_batch
 
+from test_kernel_shapes import generator  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 native = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
 
 
 def _load_generator():
-    path = os.path.join(ROOT, "csrc", "cpu", "generate_isa_header.py")
-    spec = importlib.util.spec_from_file_location("_gen_isa_header", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return generator("generate_isa_header.py")
 
 
 def test_generated_header_matches_python_names():
