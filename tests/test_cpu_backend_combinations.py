@@ -205,7 +205,11 @@ def run_row(row: dict) -> None:
 ROWS = pairwise_rows()
 
 
-@pytest.mark.parametrize("chunk", range(0, len(ROWS), 50), ids=lambda c: f"rows{c}")
+# The fast tier runs the first 50 rows: every dtype, cache dtype, attention type and
+# feature appears in them (every head and block size runs in test_cpu_ops.py's
+# test_head_and_block_sizes). The slow tier runs the rest, about 10 s per 50 rows on 2 cores.
+@pytest.mark.parametrize("chunk", [pytest.param(c, marks=pytest.mark.slow if c else ())
+                                   for c in range(0, len(ROWS), 50)], ids=lambda c: f"rows{c}")
 def test_pairwise_advertised_combinations_run_and_match_reference(chunk):
     for row in ROWS[chunk:chunk + 50]:
         try:

@@ -5,10 +5,10 @@
 * a tiny random-weight Gemma 3 (window 8) through the whole engine, prompts several
   windows long, chunked prefill, soft caps on and off;
 * our config from the GGUF against transformers' Gemma3TextConfig from the same file;
-* fp32 greedy tokens of the real model equal to transformers'. The fast tier checks two
-  short prompts and one past the 512-token window against transformers' model holding the
-  weights our loader read; the slow tier loads transformers' own GGUF path
-  (``gguf_file=``) and runs ten prompts, five of them 700-2000 tokens long;
+* fp32 greedy tokens of the real model equal to transformers' (slow tier): two short
+  prompts and one past the 512-token window against transformers' model holding the
+  weights our loader read, then transformers' own GGUF path (``gguf_file=``) on ten
+  prompts, five of them 700-2000 tokens long;
 * bad input: chat (the GGUF has no chat template), float16.
 """
 
@@ -228,6 +228,10 @@ def hf_config():
     return transformers.AutoConfig.from_pretrained(folder, gguf_file=file)
 
 
+# The real checkpoint against transformers is slow-tier (transformers reads the GGUF's
+# config in ~18 s, the greedy run takes ~15 s); the fast tier checks the same model code
+# against transformers on tiny checkpoints (test_tiny_model_matches_transformers_past_the_window).
+@pytest.mark.slow
 @needs_gemma3
 def test_config_from_gguf_matches_transformers(hf_config):
     cfg = Gemma3Config.from_hf(load_checkpoint(GEMMA3, need_tokenizer=False).config)
@@ -280,6 +284,7 @@ def assert_greedy_matches(llm, ref, prompts: list[list[int]], new_tokens: int = 
                         f"vs {want[i]}), reference top-2 margin {float(top2[0] - top2[1]):.3g}")
 
 
+@pytest.mark.slow
 @needs_gemma3
 def test_greedy_matches_transformers_on_the_same_weights(gemma3_fp32, hf_config):
     """transformers' Gemma3ForCausalLM (its config from the GGUF) holding the weights our
@@ -295,7 +300,7 @@ def test_greedy_matches_transformers_on_the_same_weights(gemma3_fp32, hf_config)
                tok("def fibonacci(n):").input_ids,
                long_prompt(tok, 600, seed=1)]
     assert len(prompts[2]) > 512
-    # 8 new tokens here (the fast tier's budget); the slow tier's GGUF test generates 16.
+    # 8 new tokens here; the GGUF test below generates 16.
     assert_greedy_matches(gemma3_fp32, ref, prompts, new_tokens=8)
 
 

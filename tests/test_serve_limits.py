@@ -87,6 +87,9 @@ def test_embeddings_on_an_encoder():
             oai.completions.create(model="minilm", prompt="hi")
 
 
+# Slow tier: ~20 s (its grace period); the fast tier's SIGTERM check is
+# test_serve_adversarial's (every stream ends with a final event).
+@pytest.mark.slow
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0():
     # 8 s: the short request's 11 remaining tokens must fit in the grace period on a
     # machine whose cores other jobs share (4 s was missed there)
