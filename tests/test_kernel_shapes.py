@@ -4,9 +4,6 @@ with it value by value; the backend and CacheConfig advertise exactly it."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
@@ -15,15 +12,9 @@ from pagedattn.backends.cpu_attn import CPUAttentionBackend
 from pagedattn.config import CONFIGURABLE_BLOCK_SIZES, CacheConfig
 from pagedattn.ops import kernel_shapes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from header_generators import generator
+
 native = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
-sys.path.insert(0, os.path.join(ROOT, "csrc", "cpu"))
-from header_gen import load_by_path  # noqa: E402
-
-
-def generator(script: str):
-    """A csrc/cpu/generate_*_header.py script, loaded as a module."""
-    return load_by_path(os.path.join("csrc", "cpu", script), "_" + script[:-3])
 
 
 def test_generated_header_is_current():

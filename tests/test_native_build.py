@@ -19,9 +19,8 @@ from pagedattn.backends.cpu_runtime import kernel_variant
 from pagedattn.ops.isa import CPU_ISA_NAMES, CpuIsa, IsaHint
 from pagedattn.testing import TOLERANCES, BatchSpec, make_paged_batch
 
-from test_kernel_shapes import generator  # noqa: E402
+from header_generators import generator  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 native = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
 
 
