@@ -64,7 +64,9 @@ def confident_prefix_lens(bf16_run):
 
 
 @needs_smollm2
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+# fp8_e5m2 in the slow tier (~10 s here): the kernels' e5m2 decode is checked against the
+# reference by the op tests; this test is about the engine's scales and greedy margins.
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", pytest.param("fp8_e5m2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("calculate_kv_scales", [False, True])
 def test_fp8_cache_keeps_greedy_tokens_where_the_margin_allows(
         bf16_run, confident_prefix_lens, kv_cache_dtype, calculate_kv_scales):
