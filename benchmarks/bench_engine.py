@@ -23,10 +23,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_workloads import COLUMNS, PEER_DTYPE_HELP, measure, peer_dtype, workloads  # noqa: E402
+from engine_workloads import (COLUMNS, PEER_DTYPE_HELP, AttentionClock, measure,  # noqa: E402
+                              peer_dtype, workloads)
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
-from pagedattn.models.layers import PagedAttention  # noqa: E402
 from pagedattn.models.loader import resolve_model  # noqa: E402
 
 
@@ -50,27 +50,13 @@ def transformers_peer(model, pad_id: int):
 def attention_share(llm: LLM, loads) -> dict[str, float]:
     """Fraction of generate() time spent inside the attention layers (impl forward,
     cache write included), for W1's decode and W3 (prefill + decode)."""
-    spent = [0.0]
-    original = PagedAttention.forward
-
-    def timed_forward(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    PagedAttention.forward = timed_forward
     shares = {}
-    try:
-        for name in ("W1", "W3"):
-            prompts, n = loads[name]
-            spent[0] = 0.0
+    for name in ("W1", "W3"):
+        prompts, n = loads[name]
+        with AttentionClock() as clock:
             t0 = time.perf_counter()
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-            shares[name] = spent[0] / (time.perf_counter() - t0)
-    finally:
-        PagedAttention.forward = original
+            shares[name] = clock.seconds / (time.perf_counter() - t0)
     return shares
 
 

@@ -20,6 +20,7 @@ import time
 from typing import Callable
 
 from pagedattn.bench.prompts import SENTENCES
+from pagedattn.models.layers import PagedAttention
 
 # The workloads' prompts were fixed on the first eight (W2 and W3 keep their lengths).
 _SENTENCES = SENTENCES[:8]
@@ -116,3 +117,29 @@ def measure(run: Callable[[list[list[int]], int], None], loads, repeats: int) ->
 
 
 COLUMNS = ["W1 TTFT ms", "W1 decode tok/s", "W2 output tok/s", "W3 prefill tok/s", "W3 decode tok/s"]
+
+
+class AttentionClock:
+    """Seconds spent inside the attention layers (``PagedAttention.forward``: the impl's
+    forward, cache write included) while installed: a benchmark-only wrapper, removed on
+    exit."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._original = PagedAttention.forward
+
+    def __enter__(self) -> "AttentionClock":
+        original, clock = self._original, self
+
+        def timed_forward(layer, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(layer, *args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - t0
+
+        PagedAttention.forward = timed_forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PagedAttention.forward = self._original
