@@ -53,7 +53,7 @@ run: setup
 # interpreter, and the vLLM plugin's unit tests where .venv-vllm exists (make vllm-setup).
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow"
-	$(MAKE) test-triton
+	$(MAKE) test-triton TRITON_TESTS='-m "not slow"'
 	@if test -x $(VLLM_VENV)/bin/python; then $(MAKE) vllm-test-unit; \
 	else echo "no $(VLLM_VENV): the vLLM plugin's unit tests are skipped (make vllm-setup installs vLLM)"; fi
 
@@ -67,9 +67,10 @@ test-all: setup
 	$(MAKE) fuzz FUZZ_EXAMPLES=$(CI_FUZZ_EXAMPLES)
 
 # Triton kernels and GPU backends on CPU tensors: the interpreter must be chosen before
-# Triton is first imported, so they get a process of their own.
+# Triton is first imported, so they get a process of their own. make test passes
+# TRITON_TESTS='-m "not slow"' (the interpreter's fp32 twins of the split-KV cases).
 test-triton: setup
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels $(TRITON_TESTS)
 
 # On a machine with a CUDA GPU and a CUDA torch (not this set-up's CPU wheel): the same
 # tests compiled for the GPU, bf16 included, then bench_gpu_attention.py; logs in
