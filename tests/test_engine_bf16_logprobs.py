@@ -85,9 +85,8 @@ gemma3_slow = [pytest.mark.slow, needs_gemma3]
 # dtype forced, and packed (fp32 activations). linear_impl="torch" runs the whole model in
 # bf16 like transformers' bf16 model and lands next to it (0.041 vs 0.037 on SmolLM2), not
 # below: it is a fallback, not held to this bound.
-# Slow tier (~80 s on 2 cores with transformers' bf16 reference); the fast tier keeps
-# test_fp32_engine_logprobs_match_transformers_fp32 below. auto's default resolves to one
-# of the two forced activation dtypes.
+# Slow tier (~80 s on 2 cores with transformers' bf16 reference). auto's default resolves
+# to one of the two forced activation dtypes.
 smollm2_slow = [pytest.mark.slow, needs_smollm2]
 CASES = [pytest.param("smollm2", impl, act, id=f"smollm2-{impl}-{act}", marks=smollm2_slow)
          for impl, act in (("auto", None), ("auto", "float32"), ("auto", "bfloat16"),
@@ -114,6 +113,10 @@ def test_bf16_logprobs_deviate_from_fp32_no_more_than_transformers_bf16(
           f"(transformers bf16 {yardstick:.4f})")
 
 
+# Slow tier with the rest of this file (~50 s in the fast tier, most of it transformers'
+# GGUF load and tokenizer); the fast tier compares SmolLM2's fp32 greedy tokens with
+# transformers' (test_engine_models.py) and tiny random-weight models' (test_engine_parity.py).
+@pytest.mark.slow
 @needs_smollm2
 def test_fp32_engine_logprobs_match_transformers_fp32():
     seqs, fp32, _ = reference("smollm2")
