@@ -173,6 +173,10 @@ class ModelPreparation:
     choices: tuple[str, ...] = ()
 
 
+def _claims_nothing(cls: type) -> bool:
+    return False
+
+
 class AttentionBackend(ABC):
     """Abstract class for attention backends: capabilities plus factory methods.
 
@@ -313,22 +317,9 @@ class AttentionBackend(ABC):
                 return True
         return False
 
-    # Features a backend has to claim: each defaults to no (a backend overrides those it has).
-    @classmethod
-    def is_mla(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_mm_prefix(cls) -> bool:
-        return False
-
-    @classmethod
-    def is_sparse(cls) -> bool:
-        return False
+    # ``is_mla``, ``supports_sink``, ``supports_mm_prefix``, ``is_sparse``: features a
+    # backend has to claim, so every one defaults to no (a backend overrides those it has).
+    is_mla = supports_sink = supports_mm_prefix = is_sparse = classmethod(_claims_nothing)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
