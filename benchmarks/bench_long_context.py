@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -96,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
           f"per step of up to {args.requests}), attention {figures['decode_attention_share']:.0%} "
           f"of it")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "figures": figures}, f, indent=1)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "figures": figures}, indent=1))
     return 0
 
 
