@@ -68,7 +68,8 @@ test-all: setup
 
 # Triton kernels and GPU backends on CPU tensors: the interpreter must be chosen before
 # Triton is first imported, so they get a process of their own. make test passes
-# TRITON_TESTS='-m "not slow"' (the interpreter's fp32 twins of the split-KV cases).
+# TRITON_TESTS='-m "not slow"' (leaves out the interpreter's fp32 twins of the
+# split-KV and window cases).
 test-triton: setup
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/gpu_kernels $(TRITON_TESTS)
 

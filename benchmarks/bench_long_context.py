@@ -7,7 +7,8 @@ The prompts are random token ids (seeded): attention and the linear layers cost 
 whatever the tokens say, and random ids need no tokenizer-dependent text building.
 
 Decode steps are the steps without a prefill token; the decode rate is their tokens over
-their time. Attention time is the time inside the attention layers (the impl's forward,
+their time, both from the engine's own step stats (the model's forward and sampling).
+Attention time is the time inside the attention layers (the impl's forward,
 cache write included), summed per step kind.
 
     python benchmarks/bench_long_context.py                 # gemma3, 4 x 16384 + 256
@@ -17,10 +18,10 @@ cache write included), summed per step kind.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,32 +39,32 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> l
 
 
 def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """Steps the engine over ``prompts`` and returns the figures of one run."""
+    """Steps the engine over ``prompts`` and returns the figures of one run: times and
+    token counts from the engine's own step stats, attention time per step kind from an
+    :class:`AttentionClock`."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for ids in prompts:
         engine.add_request(ids, params)
-    # per step kind: seconds, attention seconds, tokens, steps
-    totals = {"prefill": [0.0, 0.0, 0, 0], "decode": [0.0, 0.0, 0, 0]}
+    before = dataclasses.replace(engine.stats, ttfts=[])
+    attention = {"prefill": 0.0, "decode": 0.0}
+    decode_steps = 0
     with AttentionClock() as clock:
         while engine.has_unfinished():
-            prefilled = engine.stats.num_prefill_tokens
-            decoded = engine.stats.num_decode_tokens
-            attention, t0 = clock.seconds, time.perf_counter()
+            prefilled, spent = engine.stats.num_prefill_tokens, clock.seconds
             engine.step()
-            elapsed = time.perf_counter() - t0
             kind = "prefill" if engine.stats.num_prefill_tokens > prefilled else "decode"
-            tokens = (engine.stats.num_prefill_tokens - prefilled if kind == "prefill"
-                      else engine.stats.num_decode_tokens - decoded)
-            totals[kind][0] += elapsed
-            totals[kind][1] += clock.seconds - attention
-            totals[kind][2] += tokens
-            totals[kind][3] += 1
-    (pt, pa, pn, _), (dt, da, dn, dsteps) = totals["prefill"], totals["decode"]
-    return {"prefill_s": pt, "prefill_tok_s": pn / pt, "prefill_attention_share": pa / pt,
+            attention[kind] += clock.seconds - spent
+            decode_steps += kind == "decode"
+    s = engine.stats
+    pt, dt = s.prefill_time - before.prefill_time, s.decode_time - before.decode_time
+    dn = s.num_decode_tokens - before.num_decode_tokens
+    pn = s.num_prefill_tokens - before.num_prefill_tokens
+    return {"prefill_s": pt, "prefill_tok_s": pn / pt,
+            "prefill_attention_share": attention["prefill"] / pt,
             "decode_s": dt, "decode_tokens": dn, "decode_tok_s": dn / dt,
-            "decode_attention_share": da / dt,
-            "decode_steps": dsteps, "decode_step_ms": 1e3 * dt / dsteps}
+            "decode_attention_share": attention["decode"] / dt,
+            "decode_steps": decode_steps, "decode_step_ms": 1e3 * dt / decode_steps}
 
 
 def main(argv: list[str] | None = None) -> int:
