@@ -126,10 +126,11 @@ class AttentionClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._original = PagedAttention.forward
 
     def __enter__(self) -> "AttentionClock":
-        original, clock = self._original, self
+        # Taken on entry, not construction: exit restores what was installed when timing began.
+        self._original = original = PagedAttention.forward
+        clock = self
 
         def timed_forward(layer, *args, **kwargs):
             t0 = time.perf_counter()
