@@ -572,8 +572,10 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
   float* part_lse = scr + part_lse_at;
 
   std::atomic<int64_t> next{0};
+  const bool profiling = p.matrix != nullptr && matrix_engine_profiling();
   at::parallel_for(0, nworkers, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
+      const int64_t start = profiling ? matrix_engine_clock_ns() : 0;
       float* mine = scr + w * scratch_floats;
       for (int64_t i = next.fetch_add(1); i < plan.num_jobs; i = next.fetch_add(1)) {
         const int32_t* j = plan.jobs + i * kJobFields;
@@ -585,6 +587,7 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
                       slot < 0 ? nullptr : part_lse + slot * plan.slot_rows, j[kJobKvHeads]};
         kt->attn_item(p, item, mine);
       }
+      if (profiling) matrix_engine_add_busy(matrix_engine_clock_ns() - start);
       if (p.matrix != nullptr) matrix_engine_release();
     }
   });

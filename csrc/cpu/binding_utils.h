@@ -24,6 +24,11 @@ IsaHint check_isa_hint(int64_t code, const char* op);
 // run; each thread that used them calls matrix_engine_release() at the end of its region.
 const MatrixEngine* matrix_engine();
 void matrix_engine_release();
+// The cost probe (matrix_engine_profile op): whether it is on, a worker's busy time added
+// to its totals, and the clock it uses.
+bool matrix_engine_profiling();
+void matrix_engine_add_busy(int64_t ns);
+int64_t matrix_engine_clock_ns();
 
 inline DType to_dtype(at::ScalarType t, const char* what) {
   switch (t) {

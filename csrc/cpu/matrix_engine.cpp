@@ -5,8 +5,10 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "binding_utils.h"
 
@@ -77,23 +79,73 @@ bool probe_f32() {
 
 namespace {
 std::atomic<bool> g_bf16_reference{false};
+
+// The cost probe (benchmarks/profile_prefill.py): while on, calls go through timing
+// wrappers of the engine they would have used, and the op adds each worker's busy time,
+// so the time outside the GEMMs is busy - gemm on any CPU, without perf. Per-thread sums,
+// folded into the totals when a worker ends its region (matrix_engine_release).
+std::atomic<bool> g_profile{false};
+std::atomic<int64_t> g_gemm_ns{0}, g_gemm_calls{0}, g_busy_ns{0};
+thread_local int64_t t_gemm_ns = 0, t_gemm_calls = 0;
+const MatrixEngine* g_profiled_base = nullptr;  // set before the profiled engine is returned
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
+
+void profiled_gemm_f32(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
+                       bool add, const float* A, const float* B, float* C) {
+  const int64_t t0 = now_ns();
+  g_profiled_base->gemm_f32(M, N, K, lda, ldb, ldc, add, A, B, C);
+  t_gemm_ns += now_ns() - t0;
+  ++t_gemm_calls;
+}
+
+void profiled_gemm_bf16_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                             int64_t ldc, bool add, const bf16_t* A, const bf16_t* B, float* C) {
+  const int64_t t0 = now_ns();
+  g_profiled_base->gemm_bf16_vnni(M, N, K, lda, ldb, ldc, add, A, B, C);
+  t_gemm_ns += now_ns() - t0;
+  ++t_gemm_calls;
+}
+}  // namespace
 
 const MatrixEngine* matrix_engine() {
   static std::once_flag once;
   static bool usable = false, bf16 = false;
   static MatrixEngine engine{&gemm_f32}, with_reference{&gemm_f32};
+  static MatrixEngine profiled{&profiled_gemm_f32}, profiled_reference{&profiled_gemm_f32};
   std::call_once(once, [] {
     usable = probe_f32();
     bf16 = usable && probe_bf16_vnni();
     engine.gemm_bf16_vnni = bf16 ? &gemm_bf16_vnni : nullptr;
     with_reference.gemm_bf16_vnni = &gemm_bf16_vnni_reference;
+    profiled.gemm_bf16_vnni = bf16 ? &profiled_gemm_bf16_vnni : nullptr;
+    profiled_reference.gemm_bf16_vnni = &profiled_gemm_bf16_vnni;
   });
   if (!usable) return nullptr;
-  return g_bf16_reference.load() ? &with_reference : &engine;
+  const bool reference = g_bf16_reference.load();
+  if (g_profile.load(std::memory_order_relaxed)) {
+    g_profiled_base = reference ? &with_reference : &engine;
+    return reference ? &profiled_reference : &profiled;
+  }
+  return reference ? &with_reference : &engine;
 }
 
+bool matrix_engine_profiling() { return g_profile.load(std::memory_order_relaxed); }
+
+void matrix_engine_add_busy(int64_t ns) { g_busy_ns += ns; }
+
+int64_t matrix_engine_clock_ns() { return now_ns(); }
+
 void matrix_engine_release() {
+  if (t_gemm_calls != 0) {
+    g_gemm_ns += t_gemm_ns;
+    g_gemm_calls += t_gemm_calls;
+    t_gemm_ns = t_gemm_calls = 0;
+  }
   const MatrixEngine* e = matrix_engine();
   at::native::cpublas::brgemm_release(e != nullptr && e->gemm_bf16_vnni == &gemm_bf16_vnni);
 }
@@ -110,6 +162,18 @@ static bool matrix_engine_bf16_op() {
 // Tests only: the bf16 path on the reference loops, so its packing runs on any CPU.
 static void matrix_engine_use_bf16_reference_op(bool on) { g_bf16_reference = on; }
 
+// The cost probe: on/off (switching clears the totals), and the totals since:
+// [busy ns of the matrix-kernel calls' workers, ns inside the GEMMs, GEMM calls].
+static void matrix_engine_profile_op(bool on) {
+  g_busy_ns = 0;
+  g_gemm_ns = 0;
+  g_gemm_calls = 0;
+  g_profile = on;
+}
+static std::vector<int64_t> matrix_engine_profile_totals_op() {
+  return {g_busy_ns.load(), g_gemm_ns.load(), g_gemm_calls.load()};
+}
+
 }  // namespace pagedattn
 
 TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
@@ -117,4 +181,7 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def("matrix_engine_bf16() -> bool", &pagedattn::matrix_engine_bf16_op);
   m.def("matrix_engine_use_bf16_reference(bool on) -> ()",
         &pagedattn::matrix_engine_use_bf16_reference_op);
+  m.def("matrix_engine_profile(bool on) -> ()", &pagedattn::matrix_engine_profile_op);
+  m.def("matrix_engine_profile_totals() -> int[]",
+        &pagedattn::matrix_engine_profile_totals_op);
 }
