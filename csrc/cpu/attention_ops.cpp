@@ -256,6 +256,11 @@ namespace {
 // "Workspace"). Grows to the largest call seen on the thread; the contents are undefined.
 class Workspace {
  public:
+  size_t bytes() const { return capacity_ * sizeof(float); }
+  void release() {
+    buf_.reset();
+    capacity_ = 0;
+  }
   float* floats(size_t n) {
     if (n > capacity_) {
       const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
@@ -284,7 +289,7 @@ int64_t align_floats(int64_t offset) { return (offset + 15) / 16 * 16; }
 struct CheckedPlan {
   const int32_t* jobs;
   const int32_t* merges;
-  int64_t num_jobs, num_merges, num_slots, slot_rows, max_rows, tile;
+  int64_t num_reqs, num_jobs, num_merges, num_slots, slot_rows, max_rows, tile;
   IsaHint hint;
   bool batch_invariant;
 };
@@ -308,6 +313,7 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
                     md[kMetaNumThreads], " threads but torch.get_num_threads() is now ", threads,
                     "; rebuild it with cpu_attn_get_scheduler_metadata after changing threads");
   CheckedPlan plan{};
+  plan.num_reqs = num_reqs;
   plan.hint = check_isa_hint(md[kMetaHint], "cpu_attention_with_kv_cache");
   const int64_t group = num_heads / num_kv_heads;
   plan.tile = md[kMetaQTileTokens];
@@ -554,6 +560,70 @@ void check_block_ids(const AttnParams& p, const CallShape& c, int64_t table_cols
   }
 }
 
+Workspace& pack_workspace() {
+  thread_local Workspace w;
+  return w;
+}
+
+// Packed K/V tiles of a call's matrix items (kernel_api.h MatrixPack) up to this size; a
+// larger call packs the requests past it per item, as each item reads a tile.
+constexpr int64_t kMaxPackedBytes = int64_t{256} << 20;
+// A pack buffer this large is freed after its call rather than kept for the next.
+constexpr int64_t kKeptPackBytes = int64_t{32} << 20;
+constexpr int64_t kTilesPerPackJob = 4;
+
+// Packs the K/V tiles of every (request, kv head) with matrix items, once for all of its
+// query tiles, on the pool (one region before the items' region), and points p.packed at
+// them. pack/pack_req/the thread's pack workspace hold them until the call returns.
+void pack_matrix_tiles(AttnParams& p, const CheckedPlan& plan, const KernelTable* kt,
+                       int64_t nworkers, float* scr, int64_t scratch_floats, MatrixPack& pack,
+                       std::vector<int64_t>& pack_req) {
+  const int64_t num_reqs = plan.num_reqs;
+  const int64_t kvh = p.num_kv_heads, hs = p.head_size;
+  const int nk = matrix_tile_keys(p.head_size);
+  const bool bf16 = matrix_uses_bf16(p);
+  const int64_t tile_bytes = 2 * nk * hs * (bf16 ? 2 : 4);
+  std::vector<char> wants(num_reqs, 0);
+  for (int64_t i = 0; i < plan.num_jobs; ++i) {
+    const int32_t* j = plan.jobs + i * kJobFields;
+    if (item_runs_on_matrix(p, j[kJobQEnd] - j[kJobQBegin], j[kJobKvHeads])) wants[j[kJobReq]] = 1;
+  }
+  pack_req.assign(3 * num_reqs, -1);
+  int64_t tiles = 0;
+  struct PackJob { int32_t req, head; int64_t t0, t1; };
+  std::vector<PackJob> jobs;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    if (!wants[r]) continue;
+    const KeyRange vis =
+        request_key_range(p, p.query_start_loc[r + 1] - int64_t{p.query_start_loc[r]}, p.seq_lens[r]);
+    if (vis.first > vis.last) continue;
+    const int64_t first = vis.first / nk, count = vis.last / nk - first + 1;
+    if ((tiles + count * kvh) * tile_bytes > kMaxPackedBytes) continue;
+    pack_req[3 * r] = tiles;
+    pack_req[3 * r + 1] = first;
+    pack_req[3 * r + 2] = count;
+    tiles += count * kvh;
+    for (int64_t h = 0; h < kvh; ++h)
+      for (int64_t t = first; t < first + count; t += kTilesPerPackJob)
+        jobs.push_back({static_cast<int32_t>(r), static_cast<int32_t>(h), t,
+                        std::min(first + count, t + kTilesPerPackJob)});
+  }
+  if (tiles == 0) return;
+  const int64_t flag_floats = align_floats((tiles + 3) / 4);
+  float* buf = pack_workspace().floats(static_cast<size_t>(flag_floats + tiles * tile_bytes / 4));
+  pack = MatrixPack{buf + flag_floats, reinterpret_cast<uint8_t*>(buf), pack_req.data(), nk,
+                    static_cast<int32_t>(hs), bf16};
+  p.packed = &pack;
+  std::atomic<int64_t> next{0};
+  const int64_t njobs = static_cast<int64_t>(jobs.size());
+  at::parallel_for(0, std::min(nworkers, njobs), 1, [&](int64_t b, int64_t e) {
+    for (int64_t w = b; w < e; ++w)
+      for (int64_t i = next.fetch_add(1); i < njobs; i = next.fetch_add(1))
+        kt->matrix_pack(p, jobs[i].req, jobs[i].head, jobs[i].t0, jobs[i].t1,
+                        scr + w * scratch_floats);
+  });
+}
+
 // Runs the plan's work items on the pool, then merges the split partials.
 void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_size) {
   const KernelTable* kt = current_kernels();
@@ -573,6 +643,12 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
 
   std::atomic<int64_t> next{0};
   const bool profiling = p.matrix != nullptr && matrix_engine_profiling();
+  MatrixPack pack{};
+  std::vector<int64_t> pack_req;
+  AttnParams packed_params = p;
+  if (p.matrix != nullptr && kt->matrix_pack != nullptr)
+    pack_matrix_tiles(packed_params, plan, kt, nworkers, scr, scratch_floats, pack, pack_req);
+  const AttnParams& pp = packed_params;
   at::parallel_for(0, nworkers, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
       const int64_t start = profiling ? matrix_engine_clock_ns() : 0;
@@ -585,12 +661,15 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
                       static_cast<int32_t>(keys.first), static_cast<int32_t>(keys.second),
                       slot < 0 ? nullptr : part_out + slot * plan.slot_rows * hs,
                       slot < 0 ? nullptr : part_lse + slot * plan.slot_rows, j[kJobKvHeads]};
-        kt->attn_item(p, item, mine);
+        kt->attn_item(pp, item, mine);
       }
       if (profiling) matrix_engine_add_busy(matrix_engine_clock_ns() - start);
       if (p.matrix != nullptr) matrix_engine_release();
     }
   });
+  if (p.packed == nullptr && pp.packed != nullptr &&
+      pack_workspace().bytes() > static_cast<size_t>(kKeptPackBytes))
+    pack_workspace().release();
   if (plan.num_merges == 0) return;
   at::parallel_for(0, plan.num_merges, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {

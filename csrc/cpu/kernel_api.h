@@ -23,6 +23,7 @@ struct fp8_e4m3_t { uint8_t bits; };
 struct fp8_e5m2_t { uint8_t bits; };
 
 struct MatrixEngine;
+struct MatrixPack;
 
 // Everything a work item needs, already validated by the binding layer. Strides are in
 // elements; the last (head_size) dimension of every tensor is contiguous.
@@ -51,6 +52,9 @@ struct AttnParams {
   bool causal;
   // Set: prefill items of at least kMatrixMinRows rows of one kv head run on it.
   const MatrixEngine* matrix = nullptr;
+  // Set with matrix: the K/V tiles the call packed once for its matrix items (requests
+  // without packed tiles pack each tile as their items read it).
+  const MatrixPack* packed = nullptr;
   // Set (a batch-invariant plan): every item takes the generic path, whose arithmetic for
   // a row does not depend on the item's other rows, so a row's result is the same in any
   // batch, chunking or thread count (the lanes and matrix prefill paths are tile-shaped).
@@ -158,6 +162,7 @@ struct NormParams {
   DType out_dtype = DType::kF32;  // kF32 or kBF16
 };
 
+
 // The matrix engine: oneDNN's brgemm microkernels (AMX tiles where the CPU has them, else
 // AVX-512 or AVX2 code), which the binding layer reaches through ATen
 // (matrix_engine.cpp) and hands to the kernels as function pointers, so kernel TUs stay
@@ -173,12 +178,50 @@ struct MatrixEngine {
                          float* C) = nullptr;
 };
 
-// The matrix-engine prefill kernel (prefill_matrix_impl.h): keys per GEMM tile (a
-// multiple of every vector width), and the fewest rows an item needs to take it (decode
-// items and short tails stay on the vector kernels, which the GEMMs' fixed costs would
-// not beat).
-constexpr int kMatrixKeys = 32;
+// The matrix-engine prefill kernel (prefill_matrix_impl.h). The fewest rows an item needs
+// to take it (decode items and short tails stay on the vector kernels, which the GEMMs'
+// fixed costs would not beat), and the rows its GEMMs are padded to (a multiple of 16).
 constexpr int kMatrixMinRows = 16;
+inline int matrix_gemm_rows(int rows) { return (rows + 15) / 16 * 16; }
+inline bool item_runs_on_matrix(const AttnParams& p, int64_t q_tokens, int32_t kv_heads) {
+  const int64_t rows = q_tokens * (p.num_heads / p.num_kv_heads);
+  return p.matrix != nullptr && kv_heads <= 1 && rows >= kMatrixMinRows;
+}
+
+// Keys per K/V tile of the matrix kernel: the head size (rounded up to 16), so that
+// S = Q . K^T (reduction: head size, output: tile keys) and O += P . V (reduction: tile
+// keys, output: head size) are GEMMs of one shape. AMX microkernels of one shape share
+// their tile configuration; alternating two shapes reloaded it on every call
+// (docs/performance.md, "Matrix prefill on AMX"). Capped at 256 keys for very large heads.
+inline int matrix_tile_keys(int head_size) { return std::min(256, (head_size + 15) / 16 * 16); }
+
+// Whether the matrix kernel's GEMMs take bf16 inputs (bf16 queries over bf16 or fp8
+// caches, where a bf16 microkernel runs: fp8 values are exact in bf16) or fp32 ones.
+inline bool matrix_uses_bf16(const AttnParams& p) {
+  return p.matrix != nullptr && p.matrix->gemm_bf16_vnni != nullptr &&
+         p.dtype == DType::kBF16 && p.cache_dtype != DType::kF16;
+}
+
+// K/V tiles of the matrix kernel, packed once per call for every (request, kv head) with
+// matrix items and read by all of that head's query tiles. Tile t of a request covers keys
+// [t * tile_keys, (t + 1) * tile_keys) (keys the request cannot see are zeros); each tile is
+// K^T then V, tile_keys * head_size elements each, as the GEMMs read them:
+//   bf16: K^T [D / 2][NK][2] and V [NK / 2][D][2] (the VNNI pair layouts of MatrixEngine)
+//   fp32: K^T [D][NK] and V [NK][D]
+// Request r's tiles: kv head h, tile t at index
+//   req[3r] + h * req[3r + 2] + (t - req[3r + 1])   (req[3r] < 0: not packed).
+struct MatrixPack {
+  void* tiles;
+  uint8_t* v_nonfinite;     // per tile: whether its V holds a NaN or inf
+  const int64_t* req;       // per request: first tile index, first tile, tiles per kv head
+  int32_t tile_keys, head_size;
+  bool bf16;
+  int64_t tile_elems() const { return 2 * static_cast<int64_t>(tile_keys) * head_size; }
+};
+// The layouts' element-level description, for tests of the packing routines: dst of
+// transpose32 (K^T) is [ncols][nrows] 32-bit words, dst of interleave16 (V, bf16) is
+// [nrows / 2][ncols] words of (row 2j, row 2j + 1).
+enum class PackKind : int32_t { kTranspose32 = 0, kInterleave16 = 1 };
 
 struct KernelTable {
   const char* name;
@@ -188,6 +231,14 @@ struct KernelTable {
   // consecutive splits `split_stride` floats / `rows_stride` floats apart) into the output.
   void (*merge)(const AttnParams& p, const WorkItem& item, int32_t nsplit,
                 int64_t split_stride, int64_t lse_split_stride);
+  // Packs tiles [t_begin, t_end) of request req, kv head kv_head into p.packed; scratch
+  // holds at least matrix_pack_scratch_floats(head_size).
+  void (*matrix_pack)(const AttnParams& p, int32_t req, int32_t kv_head, int64_t t_begin,
+                      int64_t t_end, float* scratch) = nullptr;
+  // The packing routines alone (tests): nrows rows of ncols words (32-bit for kTranspose32,
+  // 16-bit for kInterleave16; a null row reads as zeros) into dst.
+  void (*pack_rows)(PackKind kind, const void* const* rows, int nrows, int ncols,
+                    void* dst) = nullptr;
   // Rows [m_begin, m_end) x panels [p_begin, p_end) of a linear layer.
   void (*linear_block)(const LinearParams& p, int64_t m_begin, int64_t m_end,
                        int64_t p_begin, int64_t p_end) = nullptr;
@@ -212,11 +263,18 @@ struct KernelTable {
 };
 
 // Scratch each thread needs for items of up to `max_rows` rows (same formula in every ISA).
+// Scratch of one matrix_pack call: one tile's rows, converted (fp8, fp16), and one tile.
+inline size_t matrix_pack_scratch_floats(int64_t head_size) {
+  return static_cast<size_t>(4 * matrix_tile_keys(static_cast<int>(head_size)) * head_size + 64);
+}
+
 inline size_t attn_scratch_floats(int64_t max_rows, int64_t head_size, int64_t block_size) {
   const int64_t pad = 64;  // vector-width padding of every row (covers 16-lane vectors)
   const int64_t rows = max_rows + 16;  // rounded up to a vector
-  const int64_t matrix = 2 * rows * head_size + 2 * kMatrixKeys * head_size +
-                         rows * (3 * kMatrixKeys + 16) + 8 * rows + head_size + 64;
+  const int64_t nk = matrix_tile_keys(static_cast<int>(head_size));
+  // acc and Q [rows, D], S and P [rows, NK + 16], row state, an unpacked tile and its rows.
+  const int64_t matrix = 2 * rows * head_size + 2 * rows * (nk + 16) + 8 * rows + 64 +
+                         static_cast<int64_t>(matrix_pack_scratch_floats(head_size));
   return static_cast<size_t>(matrix + max_rows * (head_size + pad) * 2 +   // packed q + accumulators
                              max_rows * (block_size + pad) +      // scores / probabilities
                              max_rows * 8 + 1024 +                // per-row softmax state

@@ -12,6 +12,7 @@ namespace {
 #include "vec_avx512.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
+#include "tile_pack_avx512.h"
 #include "model_kernels_impl.h"
 #include "linear_dpbf16_impl.h"
 
