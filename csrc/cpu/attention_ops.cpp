@@ -31,7 +31,7 @@ constexpr int64_t kMinSplitKeys = 256;   // below this a split costs more than i
 // Query rows (tokens x GQA heads) per prefill work item: the vector kernels reuse each K/V
 // block for this many rows; the matrix kernel's GEMMs are this tall (docs/kernels.md).
 constexpr int64_t kRowsPerTile = 32;
-constexpr int64_t kMatrixRowsPerTile = 64;
+constexpr int64_t kMatrixRowsPerTile = 256;
 
 int64_t q_tile_tokens_for(int64_t group, IsaHint hint) {
   const int64_t rows = hint == IsaHint::kAmx ? kMatrixRowsPerTile : kRowsPerTile;

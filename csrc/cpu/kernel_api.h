@@ -273,7 +273,7 @@ inline size_t attn_scratch_floats(int64_t max_rows, int64_t head_size, int64_t b
   const int64_t rows = max_rows + 16;  // rounded up to a vector
   const int64_t nk = matrix_tile_keys(static_cast<int>(head_size));
   // acc and Q [rows, D], S and P [rows, NK + 16], row state, an unpacked tile and its rows.
-  const int64_t matrix = 2 * rows * head_size + 2 * rows * (nk + 16) + 8 * rows + 64 +
+  const int64_t matrix = 2 * rows * head_size + 2 * rows * (nk + 16) + 8 * rows + 512 +
                          static_cast<int64_t>(matrix_pack_scratch_floats(head_size));
   return static_cast<size_t>(matrix + max_rows * (head_size + pad) * 2 +   // packed q + accumulators
                              max_rows * (block_size + pad) +      // scores / probabilities

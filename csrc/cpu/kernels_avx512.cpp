@@ -12,7 +12,9 @@ namespace {
 #include "vec_avx512.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
-#include "tile_pack_avx512.h"
+#include "matrix_avx512.h"
+template <>
+struct ProbVec<VecAvx512> : ProbVecAvx512<false> {};
 #include "decode_avx512.h"
 #include "fp8_bf16_avx512.h"
 // bf16 queries on fp8 caches: rows decoded to bf16 by table (6 instructions per 32 values)

@@ -12,7 +12,13 @@ namespace {
 #include "vec_avx512.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
-#include "tile_pack_avx512.h"
+#include "matrix_avx512.h"
+template <>
+inline void ProbVecAvx512<true>::store_bf16(bf16_t* dst, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+}
+template <>
+struct ProbVec<VecAvx512> : ProbVecAvx512<true> {};
 #include "model_kernels_impl.h"
 #include "linear_dpbf16_impl.h"
 

@@ -21,6 +21,25 @@ inline bool runs_on_matrix(const AttnParams& p, const WorkItem& it) {
   return item_runs_on_matrix(p, it.q_end - it.q_begin, it.kv_heads);
 }
 
+// The probabilities of the bf16 GEMMs: 2^x and the rounding to bf16 (nearest even). ISA
+// TUs may specialize both (matrix_avx512.h): the result is rounded to 8 bits, so 2^x
+// needs far less than VO::exp's precision.
+template <class VO>
+struct ProbVec {
+  using V = typename VO::V;
+  static V exp2(V x) { return VO::exp(VO::mul(x, VO::set1(0.69314718f))); }
+  static void store_bf16(bf16_t* dst, V v) { VO::cvt_store(dst, v); }
+};
+
+// Software prefetch of `bytes` from p into the caches (write: for a store).
+inline void prefetch_bytes(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    if (write) __builtin_prefetch(c + o, 1, 3);
+    else __builtin_prefetch(c + o, 0, 3);
+  }
+}
+
 template <class VO, class T, class C>
 struct MatrixPrefill {
   using V = typename VO::V;
@@ -130,16 +149,22 @@ struct MatrixPrefill {
     int64_t *lo, *hi, *pos;
     int64_t ulo = INT64_MAX, uhi = -1, max_lo = INT64_MIN, min_hi = INT64_MAX;
   };
-  static Rows init_rows(const AttnParams& p, const WorkItem& it, int R, float* at) {
+  // m and l have M entries (a multiple of every vector width): rows past R keep m = -inf
+  // and l = 0, so the softmax treats rows a vector at a time.
+  static Rows init_rows(const AttnParams& p, const WorkItem& it, int R, int M, float* at) {
     const int G = p.num_heads / p.num_kv_heads;
     const int64_t q_len = p.query_start_loc[it.req + 1] - p.query_start_loc[it.req];
     const int64_t kv_len = p.seq_lens[it.req];
     Rows rows;
     rows.m = at;
-    rows.l = at + R;
-    rows.lo = reinterpret_cast<int64_t*>((reinterpret_cast<uintptr_t>(at + 2 * R) + 7) / 8 * 8);
+    rows.l = at + M;
+    rows.lo = reinterpret_cast<int64_t*>((reinterpret_cast<uintptr_t>(at + 2 * M) + 7) / 8 * 8);
     rows.hi = rows.lo + R;
     rows.pos = rows.hi + R;
+    for (int r = R; r < M; ++r) {
+      rows.m[r] = kNegInf;
+      rows.l[r] = 0.f;
+    }
     for (int r = 0; r < R; ++r) {
       rows.pos[r] = kv_len - q_len + it.q_begin + r / G;
       const KeyRange keys = visible_key_range(p, rows.pos[r], it.kv_begin, it.kv_end);
@@ -184,11 +209,17 @@ struct MatrixPrefill {
     return b;
   }
 
+  // The item's query rows as E, rows R..M zeros. A token's G rows are one run of the
+  // query tensor, tokens num_heads * D apart: all of them are requested before the first
+  // copy (one row at a time, each a miss, cost more than the copies).
   template <class E>
   static void load_queries(const AttnParams& p, const WorkItem& it, int R, int M, E* q) {
     const int D = p.head_size;
     const int G = p.num_heads / p.num_kv_heads;
     const int64_t qs = p.query_start_loc[it.req];
+    for (int t = it.q_begin; t < it.q_end; ++t) {
+      prefetch_bytes(Base::q_row(p, qs + t, it.kv_head * G), int64_t{G} * D * sizeof(T), false);
+    }
     for (int r = 0; r < R; ++r) {
       const T* src = Base::q_row(p, qs + it.q_begin + r / G, it.kv_head * G + r % G);
       if constexpr (std::is_same<T, E>::value)
@@ -198,6 +229,26 @@ struct MatrixPrefill {
     }
     std::memset(static_cast<void*>(q + int64_t{R} * D), 0, sizeof(E) * (M - R) * D);
   }
+
+  // The output rows finish() writes, requested a share per K/V tile, so that their
+  // read-for-ownership misses overlap the tiles' GEMMs instead of stalling the stores.
+  struct OutputPrefetch {
+    const AttnParams& p;
+    const WorkItem& it;
+    int per_step, next;
+    OutputPrefetch(const AttnParams& p_, const WorkItem& it_, int64_t steps)
+        : p(p_), it(it_), next(it_.q_begin) {
+      const int64_t tokens = it.q_end - it.q_begin;
+      per_step = static_cast<int>(steps > 0 ? (tokens + steps - 1) / steps : tokens);
+    }
+    void step() {
+      const int G = p.num_heads / p.num_kv_heads;
+      const int64_t qs = p.query_start_loc[it.req];
+      for (int k = 0; k < per_step && next < it.q_end; ++k, ++next)
+        prefetch_bytes(Base::out_row(p, qs + next, it.kv_head * G),
+                       int64_t{G} * p.head_size * sizeof(T), true);
+    }
+  };
 
   template <class E>
   static void run_tiles(const AttnParams& p, const WorkItem& it, float* scratch) {
@@ -209,15 +260,22 @@ struct MatrixPrefill {
     const int M = matrix_gemm_rows(R);
     const int lds = NK + 16;
     const Buffers<E> b = carve<E>(scratch, M, D, NK, lds);
-    Rows rows = init_rows(p, it, R, b.state);
+    Rows rows = init_rows(p, it, R, M, b.state);
+    // softmax_tile's per-row-block scratch, after the row state (2M + 6R floats + padding)
+    float* block = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(b.state + 8 * M + 16) + 63) / 64 * 64);
     load_queries<E>(p, it, R, M, b.q);
-    std::memset(static_cast<void*>(b.acc), 0, sizeof(float) * M * D);
-    if (kBf16) std::memset(static_cast<void*>(b.P), 0, sizeof(bf16_t) * M * NK);
+    // Rows past R: zero queries (load_queries), zero probabilities; acc is written by the
+    // first PV GEMM (add off) or zeroed before the first per-row sum.
+    if (kBf16) std::memset(static_cast<void*>(b.P + R * NK), 0, sizeof(bf16_t) * (M - R) * NK);
+    bool acc_ready = false;
 
     const ScoreTransform<VO> tr(p);
     const int64_t* packed_req = p.packed != nullptr ? p.packed->req + 3 * it.req : nullptr;
     const bool packed = packed_req != nullptr && packed_req[0] >= 0;
     const KeyRange vis = request_keys(p, it.req);
+    const int64_t ntiles = rows.ulo <= rows.uhi ? rows.uhi / NK - rows.ulo / NK + 1 : 0;
+    OutputPrefetch out_prefetch(p, it, ntiles);
     for (int64_t t = rows.ulo / NK; rows.ulo <= rows.uhi && t <= rows.uhi / NK; ++t) {
       const int64_t key0 = t * NK;
       const E* kt;
@@ -237,11 +295,12 @@ struct MatrixPrefill {
       // A key a row cannot see must add nothing to it, not 0 * V (NaN for a non-finite
       // value): tiles that some rows see in part and whose V holds one sum each row's own.
       const bool by_row = v_nonfinite && !full;
-      for (int r = 0; r < R; ++r)
-        softmax_tile(p, tr, it.kv_head * G + r % G, b.S + r * lds, kBf16 ? b.P + r * NK : nullptr,
-                     key0, NK, full, rows.lo[r], rows.hi[r], rows.pos[r], rows.m + r, rows.l + r,
-                     b.acc + r * D, D, !kBf16 || by_row);
+      softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, kBf16 ? b.P : nullptr, key0, NK, full,
+                   rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block);
+      out_prefetch.step();
       if (by_row) {
+        if (!acc_ready) std::memset(static_cast<void*>(b.acc), 0, sizeof(float) * M * D);
+        acc_ready = true;
         int64_t ldv;
         const int n = static_cast<int>(std::min<int64_t>(NK, vis.last + 1 - key0));
         const float* v = fp32_rows(p, p.block_table + it.req * p.bt_stride,
@@ -251,32 +310,73 @@ struct MatrixPrefill {
         accumulate_visible(b.S, lds, R, v, ldv, key0, n, rows.lo, rows.hi, b.acc, D);
         continue;
       }
-      if constexpr (kBf16) p.matrix->gemm_bf16_vnni(M, D, NK, NK, D, D, true, b.P, vt, b.acc);
-      else p.matrix->gemm_f32(M, D, NK, lds, D, D, true, b.S, vt, b.acc);
+      if constexpr (kBf16) p.matrix->gemm_bf16_vnni(M, D, NK, NK, D, D, acc_ready, b.P, vt, b.acc);
+      else p.matrix->gemm_f32(M, D, NK, lds, D, D, acc_ready, b.S, vt, b.acc);
+      acc_ready = true;
     }
+    if (!acc_ready) std::memset(static_cast<void*>(b.acc), 0, sizeof(float) * M * D);
     Base::finish(p, it, b.acc, rows.m, rows.l);
   }
 
-  // One row's scores s[0, NK) of the tile at key0 -> probabilities against its (lazy)
-  // running max: into P as bf16 (P non-null) and, with keep_f32, in place as fp32 (the
-  // fp32 GEMM and the per-row V path read them). Vectors past the row's visible keys are
-  // zeros without an exp; lanes are masked only where the tile is not `full` (seen whole by
-  // every row of the item). The max, the sum and the accumulator rescale: once per row and
-  // tile (the rescale only where the max moved past the lazy margin).
-  static void softmax_tile(const AttnParams& p, const ScoreTransform<VO>& tr, int qhead, float* s,
-                           bf16_t* P, int64_t key0, int NK, bool full, int64_t lo, int64_t hi,
-                           int64_t ps, float* m, float* l, float* acc, int D, bool keep_f32) {
+  // Rows [0, R) of one tile's scores S (row stride lds) at key0 -> probabilities against
+  // each row's (lazy) running max: into P [R, NK] as bf16 (P non-null) and, with keep_f32,
+  // in place as fp32 (the fp32 GEMM and the per-row V path read them). Rows go a vector
+  // of W at a time: each row's scores are transformed and masked and its max taken
+  // (row_max), then the running-max step, the sums (one lane-transposing reduction for W
+  // rows) and l run with rows in lanes, and only rows whose max moved rescale their
+  // accumulators. Vectors past a row's visible keys are zeros without an exp; lanes are
+  // masked only where the tile is not `full` (seen whole by every row of the item).
+  // block: 64 + W * W floats, 64-byte aligned.
+  static void softmax_tile(const AttnParams& p, const ScoreTransform<VO>& tr, int head0, int G,
+                           float* S, int lds, bf16_t* P, int64_t key0, int NK, bool full,
+                           const Rows& rows, int R, float* acc, bool acc_ready, int D,
+                           bool keep_f32, float* block) {
+    float* mx = block;             // [W] each row's tile max (scaled)
+    float* mu = block + W;         // [W]
+    float* corr = block + 2 * W;   // [W]
+    V* sums = reinterpret_cast<V*>(block + 64);  // [W], 64-byte aligned (block is)
+    for (int r0 = 0; r0 < R; r0 += W) {
+      const int n = std::min(W, R - r0);
+      int vis_lo[W], vis_hi[W];
+      for (int i = 0; i < W; ++i) {
+        mx[i] = kNegInf;
+        vis_lo[i] = 1, vis_hi[i] = 0;
+      }
+      for (int i = 0; i < n; ++i) {
+        const int r = r0 + i;
+        mx[i] = row_max(p, tr, head0 + r % G, S + r * lds, key0, NK, full, rows.lo[r], rows.hi[r],
+                        rows.pos[r], &vis_lo[i], &vis_hi[i]);
+      }
+      const V m_old = VO::load(rows.m + r0);
+      const MaxStep<VO> ms = max_step<VO>(m_old, VO::load(mx), kLazyMax);
+      VO::store(mu, ms.mu);
+      VO::store(corr, ms.corr);
+      for (int i = 0; i < W; ++i) {
+        const int r = r0 + i;
+        sums[i] = i < n ? row_exp(p, tr, S + r * lds, P != nullptr ? P + r * NK : nullptr, NK,
+                                  vis_lo[i], vis_hi[i], mu[i], keep_f32)
+                        : VO::zero();
+      }
+      VO::store(rows.l + r0, VO::fma(VO::load(rows.l + r0), ms.corr, VO::reduce_lanes(sums)));
+      VO::store(rows.m + r0, ms.m);
+      if (acc_ready && VO::any(ms.moved))
+        for (int i = 0; i < n; ++i)
+          if (corr[i] != 1.f) rescale<VO>(acc + (r0 + i) * D, W, D / W, VO::set1(corr[i]));
+    }
+  }
+
+  // One row's scores s[0, NK) -> logits (scale or softcap, ALiBi; the plain scale is left
+  // for row_exp's FMA), masked outside the row's visible keys where the tile is not full;
+  // returns their max (-inf: nothing visible) and the row's visible keys [*tl, *th]
+  // within the tile (*tl > *th: none).
+  static float row_max(const AttnParams& p, const ScoreTransform<VO>& tr, int qhead, float* s,
+                       int64_t key0, int NK, bool full, int64_t lo, int64_t hi, int64_t ps,
+                       int* tl_out, int* th_out) {
     using VI = typename VO::VI;
     const int tl = static_cast<int>(std::max<int64_t>(0, lo - key0));
     const int th = static_cast<int>(std::min<int64_t>(NK - 1, hi - key0));
-    const auto zero_vec = [&](int t) {
-      if (P != nullptr) VO::cvt_store(P + t, VO::zero());
-      if (keep_f32) VO::store(s + t, VO::zero());
-    };
-    if (tl > th) {
-      for (int t = 0; t < NK; t += W) zero_vec(t);
-      return;
-    }
+    *tl_out = tl, *th_out = th;
+    if (tl > th) return kNegInf;
     const int va = tl / W * W, vb = th / W * W;  // first and last vector with a visible key
     const bool fold_scale = !tr.softcap && !tr.alibi && p.scale > 0.f;
     if (!fold_scale) {
@@ -306,21 +406,46 @@ struct MatrixPrefill {
         mxv = VO::max(mxv, x);
       }
     }
-    const float mx = fold_scale ? VO::hmax(mxv) * p.scale : VO::hmax(mxv);
-    const MaxStep<VecScalar> ms = max_step<VecScalar>(*m, mx, kLazyMax);
-    const V sv = VO::set1(fold_scale ? p.scale : 1.f), neg_mu = VO::set1(-ms.mu);
+    return fold_scale ? VO::hmax(mxv) * p.scale : VO::hmax(mxv);
+  }
+
+  // p = exp(logit - mu) over the row's visible vectors (zeros elsewhere, no exp), into P
+  // (bf16) and/or s (keep_f32); returns the vector of their sums.
+  static V row_exp(const AttnParams& p, const ScoreTransform<VO>& tr, float* s, bf16_t* P,
+                   int NK, int tl, int th, float mu, bool keep_f32) {
+    const auto zero_vec = [&](int t) {
+      if (P != nullptr) VO::cvt_store(P + t, VO::zero());
+      if (keep_f32) VO::store(s + t, VO::zero());
+    };
     V sum = VO::zero();
+    if (tl > th) {
+      for (int t = 0; t < NK; t += W) zero_vec(t);
+      return sum;
+    }
+    const int va = tl / W * W, vb = th / W * W;
+    const bool fold_scale = !tr.softcap && !tr.alibi && p.scale > 0.f;
     for (int t = 0; t < va; t += W) zero_vec(t);
-    for (int t = va; t <= vb; t += W) {
-      const V e = VO::exp(VO::fma(VO::load(s + t), sv, neg_mu));
-      sum = VO::add(sum, e);
-      if (P != nullptr) VO::cvt_store(P + t, e);
-      if (keep_f32) VO::store(s + t, e);
+    if (P != nullptr && !keep_f32) {
+      // exp(x * scale - mu) = 2^(x * scale * log2 e - mu * log2 e)
+      constexpr float kLog2e = 1.44269504f;
+      const V sv = VO::set1((fold_scale ? p.scale : 1.f) * kLog2e);
+      const V neg_mu = VO::set1(-mu * kLog2e);
+      for (int t = va; t <= vb; t += W) {
+        const V e = ProbVec<VO>::exp2(VO::fma(VO::load(s + t), sv, neg_mu));
+        sum = VO::add(sum, e);
+        ProbVec<VO>::store_bf16(P + t, e);
+      }
+    } else {
+      const V sv = VO::set1(fold_scale ? p.scale : 1.f), neg_mu = VO::set1(-mu);
+      for (int t = va; t <= vb; t += W) {
+        const V e = VO::exp(VO::fma(VO::load(s + t), sv, neg_mu));
+        sum = VO::add(sum, e);
+        if (P != nullptr) VO::cvt_store(P + t, e);
+        VO::store(s + t, e);
+      }
     }
     for (int t = vb + W; t < NK; t += W) zero_vec(t);
-    *l = VecScalar::fma(*l, ms.corr, VO::hsum(sum));
-    *m = ms.m;
-    if (ms.moved) rescale<VO>(acc, W, D / W, VO::set1(ms.corr));
+    return sum;
   }
 
   // Keys [key0, key0 + n) of one cache (V) of the item's kv head as fp32 rows (the rare

@@ -1,8 +1,10 @@
-// TilePack (tile_pack.h) on AVX-512: 16 x 16 blocks of 32-bit words transposed in
-// registers (unpack 32, unpack 64, two 128-bit lane shuffles: 64 shuffles per 256 words),
-// and 16-bit pairs interleaved by widening both rows to 32 bits (even row low). Column
-// tails are masked loads and stores, so no element is moved alone. Included after
-// attn_kernel_impl.h in the AVX-512 TUs' anonymous namespace.
+// The matrix kernel's AVX-512 pieces, included after attn_kernel_impl.h in the AVX-512
+// TUs' anonymous namespace.
+//
+// TilePack (tile_pack.h): 16 x 16 blocks of 32-bit words transposed in registers (unpack
+// 32, unpack 64, two 128-bit lane shuffles: 64 shuffles per 256 words), and 16-bit pairs
+// interleaved by widening both rows to 32 bits (even row low). Column tails are masked
+// loads and stores, so no element is moved alone.
 
 template <>
 struct TilePack<VecAvx512> {
@@ -93,3 +95,33 @@ struct TilePack<VecAvx512> {
     return bad != 0;
   }
 };
+
+// ProbVec (prefill_matrix_impl.h): 2^x as 2^n * p(f), n = round(x), |f| <= 1/2, p the
+// degree-5 Taylor polynomial (relative error < 3e-6, far below the bf16 rounding the
+// probabilities get), scaled by vscalefps. Below 2^-125 the result is exactly 0 by a
+// zeroing mask (a hidden key's -inf included), never by underflow: a result that
+// underflows takes a microcode assist (~150 cycles), and the masked lanes of every
+// diagonal tile did. A NaN passes through (vmaxps returns its second operand for a NaN;
+// the mask's compare is true for unordered). 11 instructions, ~17 for VecAvx512::exp.
+// kCvtNe: round to bf16 with vcvtneps2bf16 (AVX512-BF16 TUs), else with integer ops.
+template <bool kCvtNe>
+struct ProbVecAvx512 {
+  static __m512 exp2(__m512 x) {
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-125.f), x);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_maskz_scalef_ps(kept, p, n);
+  }
+  static void store_bf16(bf16_t* dst, __m512 v);
+};
+template <>
+inline void ProbVecAvx512<false>::store_bf16(bf16_t* dst, __m512 v) {
+  VecAvx512::cvt_store(dst, v);
+}
