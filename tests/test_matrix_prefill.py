@@ -173,3 +173,83 @@ def test_repeat_call_and_thread_count_are_bit_identical(isa):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(first, one_thread)
+
+
+# The packing routines of the current ISA (register transposes on AVX-512, plain loops
+# elsewhere) against the layouts written out element by element.
+def _rows_and_presence(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(dtype)
+    rows = torch.randint(info.min, info.max, shape, dtype=dtype, generator=gen)
+    present = torch.rand(shape[0], generator=gen) > 0.2
+    return rows, present
+
+
+@pytest.mark.parametrize("nrows,ncols", [(16, 1), (16, 16), (32, 5), (64, 64), (128, 100),
+                                         (256, 17)], ids=str)
+def test_transpose32_is_kt_word_by_word(isa, nrows, ncols):
+    """K^T: word c of key row n lands at [c][n] (bf16 dimension pairs, or fp32 values);
+    absent rows (keys a request cannot see) are zeros."""
+    rows, present = _rows_and_presence((nrows, ncols), torch.int32, nrows * 7 + ncols)
+    got = torch.ops.pagedattn.matrix_pack_rows(rows, present, 0)
+    want = torch.zeros(ncols, nrows, dtype=torch.int32)
+    for n in range(nrows):
+        if present[n]:
+            want[:, n] = rows[n]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("nrows,ncols", [(16, 8), (16, 40), (32, 64), (128, 128), (64, 200)],
+                         ids=str)
+def test_interleave16_is_v_in_key_pairs(isa, nrows, ncols):
+    """V: word c of output row j holds rows 2j (low half) and 2j + 1 (high half) at
+    column c, the VNNI pair layout of the bf16 microkernel's B operand."""
+    rows, present = _rows_and_presence((nrows, ncols), torch.int16, nrows * 5 + ncols)
+    got = torch.ops.pagedattn.matrix_pack_rows(rows, present, 1)
+    bits = [[(int(rows[n, c]) & 0xFFFF) if present[n] else 0 for c in range(ncols)]
+            for n in range(nrows)]
+    want = torch.tensor([[bits[2 * j][c] | bits[2 * j + 1][c] << 16 for c in range(ncols)]
+                         for j in range(nrows // 2)], dtype=torch.int64)
+    want = ((want + 2**31) % 2**32 - 2**31).to(torch.int32)  # the words as int32
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows,present,kind,match", [
+    (torch.zeros(15, 4, dtype=torch.int32), torch.ones(15, dtype=torch.bool), 0, "multiple of 16"),
+    (torch.zeros(16, 4, dtype=torch.int16), torch.ones(16, dtype=torch.bool), 0, "int32"),
+    (torch.zeros(16, 4, dtype=torch.int16), torch.ones(8, dtype=torch.bool), 1, "16 entries"),
+    (torch.zeros(16, 4, dtype=torch.int16), torch.ones(16, dtype=torch.bool), 2, "kind"),
+])
+def test_pack_rows_rejects_bad_input(rows, present, kind, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch.ops.pagedattn.matrix_pack_rows(rows, present, kind)
+
+
+@contextlib.contextmanager
+def pack_limit(nbytes: int):
+    """The call's packed-tile budget: 0 makes every item pack the tiles it reads."""
+    previous = torch.ops.pagedattn.set_matrix_pack_limit(nbytes)
+    try:
+        yield
+    finally:
+        torch.ops.pagedattn.set_matrix_pack_limit(previous)
+
+
+@pytest.mark.parametrize("limit", [0, 100_000], ids=["none-packed", "some-packed"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_tiles_packed_per_item_equal_tiles_packed_per_call(isa, feature, dtype_name, limit):
+    """Requests past the call's packing budget pack each tile in the item that reads it,
+    with the same routine: the results are bit for bit those of the packed call."""
+    batch = case_inputs("chunked_prefill", dtype_name, 64, 16, 8, 2)
+    args = feature_args(feature, 8, 64)
+    packed = run_native(batch, args, block_size=16, hint=MATRIX)
+    with pack_limit(limit):
+        per_item = run_native(batch, args, block_size=16, hint=MATRIX)
+    assert torch.equal(per_item, packed)
+    assert_matches_reference(per_item, run_reference(batch, args), DTYPES[dtype_name])
+
+
+def test_pack_limit_rejects_a_negative_budget():
+    with pytest.raises(ValueError, match="bytes must be >= 0"):
+        torch.ops.pagedattn.set_matrix_pack_limit(-1)

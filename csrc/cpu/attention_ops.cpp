@@ -31,7 +31,7 @@ constexpr int64_t kMinSplitKeys = 256;   // below this a split costs more than i
 // Query rows (tokens x GQA heads) per prefill work item: the vector kernels reuse each K/V
 // block for this many rows; the matrix kernel's GEMMs are this tall (docs/kernels.md).
 constexpr int64_t kRowsPerTile = 32;
-constexpr int64_t kMatrixRowsPerTile = 256;
+constexpr int64_t kMatrixRowsPerTile = 128;
 
 int64_t q_tile_tokens_for(int64_t group, IsaHint hint) {
   const int64_t rows = hint == IsaHint::kAmx ? kMatrixRowsPerTile : kRowsPerTile;
@@ -566,8 +566,10 @@ Workspace& pack_workspace() {
 }
 
 // Packed K/V tiles of a call's matrix items (kernel_api.h MatrixPack) up to this size; a
-// larger call packs the requests past it per item, as each item reads a tile.
+// larger call packs the requests past it per item, as each item reads a tile. Tests
+// lower it (set_matrix_pack_limit) to run that path.
 constexpr int64_t kMaxPackedBytes = int64_t{256} << 20;
+std::atomic<int64_t> g_pack_limit{kMaxPackedBytes};
 // A pack buffer this large is freed after its call rather than kept for the next.
 constexpr int64_t kKeptPackBytes = int64_t{32} << 20;
 constexpr int64_t kTilesPerPackJob = 4;
@@ -598,7 +600,7 @@ void pack_matrix_tiles(AttnParams& p, const CheckedPlan& plan, const KernelTable
         request_key_range(p, p.query_start_loc[r + 1] - int64_t{p.query_start_loc[r]}, p.seq_lens[r]);
     if (vis.first > vis.last) continue;
     const int64_t first = vis.first / nk, count = vis.last / nk - first + 1;
-    if ((tiles + count * kvh) * tile_bytes > kMaxPackedBytes) continue;
+    if ((tiles + count * kvh) * tile_bytes > g_pack_limit.load()) continue;
     pack_req[3 * r] = tiles;
     pack_req[3 * r + 1] = first;
     pack_req[3 * r + 2] = count;
@@ -616,11 +618,15 @@ void pack_matrix_tiles(AttnParams& p, const CheckedPlan& plan, const KernelTable
   p.packed = &pack;
   std::atomic<int64_t> next{0};
   const int64_t njobs = static_cast<int64_t>(jobs.size());
+  const bool profiling = matrix_engine_profiling();
   at::parallel_for(0, std::min(nworkers, njobs), 1, [&](int64_t b, int64_t e) {
-    for (int64_t w = b; w < e; ++w)
+    for (int64_t w = b; w < e; ++w) {
+      const int64_t start = profiling ? matrix_engine_clock_ns() : 0;
       for (int64_t i = next.fetch_add(1); i < njobs; i = next.fetch_add(1))
         kt->matrix_pack(p, jobs[i].req, jobs[i].head, jobs[i].t0, jobs[i].t1,
                         scr + w * scratch_floats);
+      if (profiling) matrix_engine_add_busy(matrix_engine_clock_ns() - start);
+    }
   });
 }
 
@@ -683,6 +689,13 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
 }
 }  // namespace
 
+// Tests only: the packed-tile budget of a call in bytes (0: every item packs its own
+// tiles); returns the previous one.
+int64_t set_matrix_pack_limit(int64_t bytes) {
+  TORCH_CHECK_VALUE(bytes >= 0, "set_matrix_pack_limit: bytes must be >= 0, got ", bytes);
+  return g_pack_limit.exchange(bytes);
+}
+
 // check -> params -> plan lookup -> execute.
 void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, at::Tensor& output,
@@ -735,6 +748,7 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
       "Tensor? alibi_slopes, int sliding_window_left, int sliding_window_right, "
       "Tensor block_table, float softcap, Tensor scheduler_metadata, Tensor? s_aux, "
       "float k_scale=1.0, float v_scale=1.0) -> ()");
+  m.def("set_matrix_pack_limit(int bytes) -> int", &pagedattn::set_matrix_pack_limit);
 }
 
 TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {

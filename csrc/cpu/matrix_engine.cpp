@@ -162,6 +162,43 @@ static bool matrix_engine_bf16_op() {
 // Tests only: the bf16 path on the reference loops, so its packing runs on any CPU.
 static void matrix_engine_use_bf16_reference_op(bool on) { g_bf16_reference = on; }
 
+// Tests only: the matrix kernel's packing routines of the current ISA (KernelTable::
+// pack_rows) on `rows` [nrows, ncols] (int32 words for transpose32, int16 for
+// interleave16); rows whose `present` entry is false read as zeros. Returns the packed
+// words: [ncols, nrows] int32 (transpose32) or [nrows / 2, ncols] int32 (interleave16).
+static at::Tensor matrix_pack_rows_op(const at::Tensor& rows, const at::Tensor& present,
+                                      int64_t kind) {
+  const char* op = "matrix_pack_rows";
+  check_cpu(rows, "rows");
+  TORCH_CHECK_VALUE(kind == 0 || kind == 1, op, ": kind must be 0 (transpose32) or 1 ",
+                    "(interleave16), got ", kind);
+  const bool transpose = kind == 0;
+  TORCH_CHECK_TYPE(rows.scalar_type() == (transpose ? at::kInt : at::kShort), op, ": rows must be ",
+                   transpose ? "int32" : "int16", " for this kind, got ", rows.scalar_type());
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.is_contiguous(), op,
+                    ": rows must be a contiguous 2-D tensor, got shape ", rows.sizes());
+  const int64_t nrows = rows.size(0), ncols = rows.size(1);
+  TORCH_CHECK_VALUE(nrows > 0 && nrows % 16 == 0 && nrows <= 256 && ncols > 0 && ncols <= 4096,
+                    op, ": rows must be [n, c] with n a multiple of 16 up to 256 and 0 < c <= ",
+                    "4096, got ", rows.sizes());
+  check_index_tensor(present, "present", at::kBool, 1);
+  TORCH_CHECK_VALUE(present.numel() == nrows, op, ": present must have ", nrows,
+                    " entries, got ", present.numel());
+  const at::Tensor pc = present.contiguous();
+  std::vector<const void*> ptrs(nrows);
+  const int64_t elem = rows.element_size();
+  for (int64_t r = 0; r < nrows; ++r)
+    ptrs[r] = pc.data_ptr<bool>()[r]
+                  ? static_cast<const char*>(rows.data_ptr()) + r * ncols * elem
+                  : nullptr;
+  at::Tensor out = transpose ? at::empty({ncols, nrows}, at::kInt)
+                             : at::empty({nrows / 2, ncols}, at::kInt);
+  current_kernels()->pack_rows(transpose ? PackKind::kTranspose32 : PackKind::kInterleave16,
+                               ptrs.data(), static_cast<int>(nrows), static_cast<int>(ncols),
+                               out.data_ptr());
+  return out;
+}
+
 // The cost probe: on/off (switching clears the totals), and the totals since:
 // [busy ns of the matrix-kernel calls' workers, ns inside the GEMMs, GEMM calls].
 static void matrix_engine_profile_op(bool on) {
@@ -182,6 +219,8 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def("matrix_engine_use_bf16_reference(bool on) -> ()",
         &pagedattn::matrix_engine_use_bf16_reference_op);
   m.def("matrix_engine_profile(bool on) -> ()", &pagedattn::matrix_engine_profile_op);
+  m.def("matrix_pack_rows(Tensor rows, Tensor present, int kind) -> Tensor",
+        &pagedattn::matrix_pack_rows_op);
   m.def("matrix_engine_profile_totals() -> int[]",
         &pagedattn::matrix_engine_profile_totals_op);
 }
