@@ -11,6 +11,7 @@ namespace {
 #include "vec_scalar.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
+#include "matrix_avx2.h"
 #include "decode_avx2.h"
 #include "model_kernels_impl.h"
 #include "prefill_lanes_avx2.h"

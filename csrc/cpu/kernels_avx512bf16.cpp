@@ -12,6 +12,7 @@ namespace {
 #include "vec_avx512.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
+#include "matrix_avx2.h"
 #include "matrix_avx512.h"
 template <>
 inline void ProbVecAvx512<true>::store_bf16(bf16_t* dst, __m512 v) {
