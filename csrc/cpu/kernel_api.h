@@ -188,12 +188,15 @@ inline bool item_runs_on_matrix(const AttnParams& p, int64_t q_tokens, int32_t k
   return p.matrix != nullptr && kv_heads <= 1 && rows >= kMatrixMinRows;
 }
 
-// Keys per K/V tile of the matrix kernel: the head size (rounded up to 16), so that
-// S = Q . K^T (reduction: head size, output: tile keys) and O += P . V (reduction: tile
-// keys, output: head size) are GEMMs of one shape. AMX microkernels of one shape share
-// their tile configuration; alternating two shapes reloaded it on every call
-// (docs/performance.md, "Matrix prefill on AMX"). Capped at 256 keys for very large heads.
-inline int matrix_tile_keys(int head_size) { return std::min(256, (head_size + 15) / 16 * 16); }
+// Keys per K/V tile of the matrix kernel. From head size 128 up, the head size (rounded
+// up to 16, capped at 256), so that S = Q . K^T (reduction: head size, output: tile keys)
+// and O += P . V (reduction: tile keys, output: head size) are GEMMs of one shape, whose
+// AMX microkernels share one tile configuration; below it, 256 keys, so that each GEMM
+// call does enough work to amortize its fixed cost. Measured on AMX at head sizes 64, 128
+// and 256 against 64-256 keys (docs/performance.md, "Matrix prefill on AMX").
+inline int matrix_tile_keys(int head_size) {
+  return head_size >= 128 ? std::min(256, (head_size + 15) / 16 * 16) : 256;
+}
 
 // Whether the matrix kernel's GEMMs take bf16 inputs (bf16 queries over bf16 or fp8
 // caches, where a bf16 microkernel runs: fp8 values are exact in bf16) or fp32 ones.
