@@ -289,8 +289,12 @@ struct MatrixPrefill {
         kt = b.tile;
       }
       const E* vt = kt + int64_t{NK} * D;
-      if constexpr (kBf16) p.matrix->gemm_bf16_vnni(M, NK, D, D, NK, lds, false, b.q, kt, b.S);
-      else p.matrix->gemm_f32(M, NK, D, D, NK, lds, false, b.q, kt, b.S);
+      // The item's last tile (the diagonal of a causal prefill) runs only the keys up to
+      // its last visible one, in steps of 32: a few more GEMM shapes, for ~15% less GEMM
+      // work at 4 x 512 (docs/performance.md).
+      const int nk = static_cast<int>(std::min<int64_t>(NK, (rows.uhi - key0 + 32) / 32 * 32));
+      if constexpr (kBf16) p.matrix->gemm_bf16_vnni(M, nk, D, D, NK, lds, false, b.q, kt, b.S);
+      else p.matrix->gemm_f32(M, nk, D, D, NK, lds, false, b.q, kt, b.S);
       const bool full = rows.max_lo <= key0 && rows.min_hi >= key0 + NK - 1;
       // A key a row cannot see must add nothing to it, not 0 * V (NaN for a non-finite
       // value): tiles that some rows see in part and whose V holds one sum each row's own.
@@ -310,8 +314,8 @@ struct MatrixPrefill {
         accumulate_visible(b.S, lds, R, v, ldv, key0, n, rows.lo, rows.hi, b.acc, D);
         continue;
       }
-      if constexpr (kBf16) p.matrix->gemm_bf16_vnni(M, D, NK, NK, D, D, acc_ready, b.P, vt, b.acc);
-      else p.matrix->gemm_f32(M, D, NK, lds, D, D, acc_ready, b.S, vt, b.acc);
+      if constexpr (kBf16) p.matrix->gemm_bf16_vnni(M, D, nk, NK, D, D, acc_ready, b.P, vt, b.acc);
+      else p.matrix->gemm_f32(M, D, nk, lds, D, D, acc_ready, b.S, vt, b.acc);
       acc_ready = true;
     }
     if (!acc_ready) std::memset(static_cast<void*>(b.acc), 0, sizeof(float) * M * D);
