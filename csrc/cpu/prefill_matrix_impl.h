@@ -186,9 +186,9 @@ struct MatrixPrefill {
   template <class E>
   struct Buffers {
     float* acc;  // [M, D]
-    float* S;    // [M, lds]: scores, then fp32 probabilities where the PV GEMM reads them
+    float* S;    // [M, lds]: scores, then the probabilities: fp32 in place, or bf16 over
+                 // the first half of each row (the bf16 GEMM's A, row stride 2 * lds)
     E* q;        // [M, D]
-    bf16_t* P;   // [M, NK]: probabilities as bf16 (bf16 GEMMs)
     E* tile;     // [2, NK, D]: a tile packed for this item (requests the call did not pack)
     E* conv;     // [2, NK, D]: converted rows while packing
     float* state;
@@ -202,7 +202,6 @@ struct MatrixPrefill {
     b.acc = at, at += int64_t{M} * D;
     b.S = at, at += int64_t{M} * lds;
     b.q = reinterpret_cast<E*>(at), at += floats_of(int64_t{M} * D);
-    b.P = reinterpret_cast<bf16_t*>(at), at += (int64_t{M} * NK + 31) / 32 * 16;
     b.tile = reinterpret_cast<E*>(at), at += floats_of(2 * int64_t{NK} * D);
     b.conv = reinterpret_cast<E*>(at), at += floats_of(2 * int64_t{NK} * D);
     b.state = at;
@@ -265,9 +264,9 @@ struct MatrixPrefill {
     float* block = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(b.state + 8 * M + 16) + 63) / 64 * 64);
     load_queries<E>(p, it, R, M, b.q);
-    // Rows past R: zero queries (load_queries), zero probabilities; acc is written by the
-    // first PV GEMM (add off) or zeroed before the first per-row sum.
-    if (kBf16) std::memset(static_cast<void*>(b.P + R * NK), 0, sizeof(bf16_t) * (M - R) * NK);
+    // Rows past R: zero queries (load_queries), so zero scores, which read as bf16 are
+    // zero probabilities too; acc is written by the first PV GEMM (add off) or zeroed
+    // before the first per-row sum.
     bool acc_ready = false;
 
     const ScoreTransform<VO> tr(p);
@@ -299,7 +298,10 @@ struct MatrixPrefill {
       // A key a row cannot see must add nothing to it, not 0 * V (NaN for a non-finite
       // value): tiles that some rows see in part and whose V holds one sum each row's own.
       const bool by_row = v_nonfinite && !full;
-      softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, kBf16 ? b.P : nullptr, key0, NK, full,
+      // bf16 probabilities overwrite their own scores (row_exp): no second buffer to miss
+      // in; the per-row V path reads them as fp32 instead.
+      bf16_t* P = kBf16 && !by_row ? reinterpret_cast<bf16_t*>(b.S) : nullptr;
+      softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, P, key0, NK, full,
                    rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block);
       out_prefetch.step();
       if (by_row) {
@@ -314,7 +316,8 @@ struct MatrixPrefill {
         accumulate_visible(b.S, lds, R, v, ldv, key0, n, rows.lo, rows.hi, b.acc, D);
         continue;
       }
-      if constexpr (kBf16) p.matrix->gemm_bf16_vnni(M, D, nk, NK, D, D, acc_ready, b.P, vt, b.acc);
+      if constexpr (kBf16)
+        p.matrix->gemm_bf16_vnni(M, D, nk, 2 * lds, D, D, acc_ready, P, vt, b.acc);
       else p.matrix->gemm_f32(M, D, nk, lds, D, D, acc_ready, b.S, vt, b.acc);
       acc_ready = true;
     }
@@ -357,7 +360,7 @@ struct MatrixPrefill {
       VO::store(corr, ms.corr);
       for (int i = 0; i < W; ++i) {
         const int r = r0 + i;
-        sums[i] = i < n ? row_exp(p, tr, S + r * lds, P != nullptr ? P + r * NK : nullptr, NK,
+        sums[i] = i < n ? row_exp(p, tr, S + r * lds, P != nullptr ? P + 2 * r * lds : nullptr, NK,
                                   vis_lo[i], vis_hi[i], mu[i], keep_f32)
                         : VO::zero();
       }
@@ -414,7 +417,9 @@ struct MatrixPrefill {
   }
 
   // p = exp(logit - mu) over the row's visible vectors (zeros elsewhere, no exp), into P
-  // (bf16) and/or s (keep_f32); returns the vector of their sums.
+  // (bf16) and/or s (keep_f32); returns the vector of their sums. P may be s itself: bf16
+  // value t then lands on bytes of fp32 value t / 2, which every step has read before it
+  // stores (the compiler barrier keeps the stores after the loads for any element type).
   static V row_exp(const AttnParams& p, const ScoreTransform<VO>& tr, float* s, bf16_t* P,
                    int NK, int tl, int th, float mu, bool keep_f32) {
     const auto zero_vec = [&](int t) {
@@ -437,6 +442,7 @@ struct MatrixPrefill {
       for (int t = va; t <= vb; t += W) {
         const V e = ProbVec<VO>::exp2(VO::fma(VO::load(s + t), sv, neg_mu));
         sum = VO::add(sum, e);
+        asm volatile("" ::: "memory");
         ProbVec<VO>::store_bf16(P + t, e);
       }
     } else {
