@@ -57,6 +57,7 @@ def _rows() -> dict[str, Row]:
         Row("4x512", BatchSpec("4x512", (512,) * 4, (512,) * 4)),
         Row("1x2048", BatchSpec("1x2048", (2048,), (2048,))),
         Row("mixed", mixed),  # 16 decodes at 2048 + a 512 chunk over 1536 cached tokens
+        Row("chunk", BatchSpec("chunk", (2048,), (512,))),  # the chunk alone
         Row("1x8192", BatchSpec("1x8192", (8192,), (8192,))),
     )}
 

@@ -253,3 +253,47 @@ def test_tiles_packed_per_item_equal_tiles_packed_per_call(isa, feature, dtype_n
 def test_pack_limit_rejects_a_negative_budget():
     with pytest.raises(ValueError, match="bytes must be >= 0"):
         torch.ops.pagedattn.set_matrix_pack_limit(-1)
+
+
+def test_cost_probe_splits_busy_time_into_gemm_and_the_rest(isa):
+    """The probe's native timers (benchmarks/profile_prefill.py): while on, the GEMM calls
+    are counted and timed, and their time is part of the workers' busy time."""
+    batch = case_inputs("chunked_prefill", "bf16", 64, 16, 8, 2)
+    args = feature_args("causal", 8, 64)
+    run_native(batch, args, block_size=16, hint=MATRIX)
+    torch.ops.pagedattn.matrix_engine_profile(True)
+    try:
+        profiled = run_native(batch, args, block_size=16, hint=MATRIX)
+        busy_ns, gemm_ns, calls = torch.ops.pagedattn.matrix_engine_profile_totals()
+    finally:
+        torch.ops.pagedattn.matrix_engine_profile(False)
+    assert calls > 0 and 0 < gemm_ns <= busy_ns
+    assert torch.ops.pagedattn.matrix_engine_profile_totals() == [0, 0, 0]
+    # The timing wrappers change no result.
+    assert torch.equal(profiled, run_native(batch, args, block_size=16, hint=MATRIX))
+
+
+def test_profile_prefill_script_reports_the_split(tmp_path):
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_prefill.py"
+    spec = importlib.util.spec_from_file_location("profile_prefill", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("profile_prefill", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    out = tmp_path / "probe.json"
+    threads = torch.get_num_threads()
+    try:
+        assert module.main(["--rows", "4x512", "--heads", "4/2", "--head-size", "64",
+                            "--repeat", "1", "--no-peers", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (row,) = json.loads(out.read_text())
+    assert row["row"] == "4x512" and row["pairs"] == 4 * 4 * (512 * 513 // 2)
+    assert row["gemm_calls_per_call"] > 0 and row["gemm_ns_per_pair"] > 0
+    assert row["outside_ns_per_pair"] == pytest.approx(
+        row["core_ns_per_pair"] - row["gemm_ns_per_pair"])
+    assert set(row["ms"]) == {"pagedattn", "vector"}

@@ -96,32 +96,46 @@ struct TilePack<VecAvx512> {
   }
 };
 
-// ProbVec (prefill_matrix_impl.h): 2^x as 2^n * p(f), n = round(x), |f| <= 1/2, p the
-// degree-5 Taylor polynomial (relative error < 3e-6, far below the bf16 rounding the
-// probabilities get), scaled by vscalefps. Below 2^-125 the result is exactly 0 by a
-// zeroing mask (a hidden key's -inf included), never by underflow: a result that
-// underflows takes a microcode assist (~150 cycles), and the masked lanes of every
-// diagonal tile did. A NaN passes through (vmaxps returns its second operand for a NaN;
-// the mask's compare is true for unordered). 11 instructions, ~17 for VecAvx512::exp.
-// kCvtNe: round to bf16 with vcvtneps2bf16 (AVX512-BF16 TUs), else with integer ops.
+// ProbVec (prefill_matrix_impl.h): 2^x as p(f) * 2^floor(x), f = x - floor(x) in [0, 1)
+// by vreduceps, p the degree-5 Taylor polynomial of 2^f (relative error < 2e-4, far below
+// the bf16 rounding the probabilities get), and 2^floor(x) applied by vscalefps, which
+// floors its exponent operand itself: 8 vector instructions (VecAvx512::exp takes ~17).
+// x is clamped at -125, so no result underflows: an underflowing result takes a microcode
+// assist (~150 cycles), and the masked lanes of every diagonal tile did. exp2 (tiles some
+// row sees in part) turns lanes below -125, hidden keys' -inf included, into exact zeros
+// with a zeroing mask (its compare is true for NaN, which passes through: vmaxps returns
+// its second operand for a NaN); exp2_seen (tiles every row sees whole) skips the mask.
+// kCvtNe: round to bf16 with vcvtne2ps2bf16, two vectors an instruction (AVX512-BF16 TUs),
+// else with integer ops.
 template <bool kCvtNe>
 struct ProbVecAvx512 {
-  static __m512 exp2(__m512 x) {
-    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
-    x = _mm512_max_ps(_mm512_set1_ps(-125.f), x);
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
+  static __m512 poly(__m512 x) {
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 p = _mm512_set1_ps(1.3333558e-3f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_maskz_scalef_ps(kept, p, n);
+    return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  }
+  static __m512 exp2(__m512 x) {
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-125.f), x);
+    return _mm512_maskz_scalef_ps(kept, poly(x), x);
+  }
+  static __m512 exp2_seen(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-125.f), x);
+    return _mm512_scalef_ps(poly(x), x);
   }
   static void store_bf16(bf16_t* dst, __m512 v);
+  static void store_bf16_pair(bf16_t* dst, __m512 lo, __m512 hi);
 };
 template <>
 inline void ProbVecAvx512<false>::store_bf16(bf16_t* dst, __m512 v) {
   VecAvx512::cvt_store(dst, v);
+}
+template <>
+inline void ProbVecAvx512<false>::store_bf16_pair(bf16_t* dst, __m512 lo, __m512 hi) {
+  VecAvx512::cvt_store(dst, lo);
+  VecAvx512::cvt_store(dst + 16, hi);
 }

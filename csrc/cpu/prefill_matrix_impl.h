@@ -24,11 +24,17 @@ inline bool runs_on_matrix(const AttnParams& p, const WorkItem& it) {
 // The probabilities of the bf16 GEMMs: 2^x and the rounding to bf16 (nearest even). ISA
 // TUs may specialize both (matrix_avx512.h): the result is rounded to 8 bits, so 2^x
 // needs far less than VO::exp's precision.
+// exp2 for rows with hidden keys (-inf: exactly 0), exp2_seen where every key is seen.
 template <class VO>
 struct ProbVec {
   using V = typename VO::V;
   static V exp2(V x) { return VO::exp(VO::mul(x, VO::set1(0.69314718f))); }
+  static V exp2_seen(V x) { return exp2(x); }
   static void store_bf16(bf16_t* dst, V v) { VO::cvt_store(dst, v); }
+  static void store_bf16_pair(bf16_t* dst, V lo, V hi) {
+    VO::cvt_store(dst, lo);
+    VO::cvt_store(dst + VO::W, hi);
+  }
 };
 
 // Software prefetch of `bytes` from p into the caches (write: for a store).
@@ -361,7 +367,7 @@ struct MatrixPrefill {
       for (int i = 0; i < W; ++i) {
         const int r = r0 + i;
         sums[i] = i < n ? row_exp(p, tr, S + r * lds, P != nullptr ? P + 2 * r * lds : nullptr, NK,
-                                  vis_lo[i], vis_hi[i], mu[i], keep_f32)
+                                  vis_lo[i], vis_hi[i], mu[i], keep_f32, full)
                         : VO::zero();
       }
       VO::store(rows.l + r0, VO::fma(VO::load(rows.l + r0), ms.corr, VO::reduce_lanes(sums)));
@@ -417,11 +423,12 @@ struct MatrixPrefill {
   }
 
   // p = exp(logit - mu) over the row's visible vectors (zeros elsewhere, no exp), into P
-  // (bf16) and/or s (keep_f32); returns the vector of their sums. P may be s itself: bf16
+  // (bf16) and/or s (keep_f32); returns the vector of their sums. seen: the tile is seen
+  // whole (no hidden lane). P may be s itself: bf16
   // value t then lands on bytes of fp32 value t / 2, which every step has read before it
   // stores (the compiler barrier keeps the stores after the loads for any element type).
   static V row_exp(const AttnParams& p, const ScoreTransform<VO>& tr, float* s, bf16_t* P,
-                   int NK, int tl, int th, float mu, bool keep_f32) {
+                   int NK, int tl, int th, float mu, bool keep_f32, bool seen) {
     const auto zero_vec = [&](int t) {
       if (P != nullptr) VO::cvt_store(P + t, VO::zero());
       if (keep_f32) VO::store(s + t, VO::zero());
@@ -439,8 +446,19 @@ struct MatrixPrefill {
       constexpr float kLog2e = 1.44269504f;
       const V sv = VO::set1((fold_scale ? p.scale : 1.f) * kLog2e);
       const V neg_mu = VO::set1(-mu * kLog2e);
-      for (int t = va; t <= vb; t += W) {
-        const V e = ProbVec<VO>::exp2(VO::fma(VO::load(s + t), sv, neg_mu));
+      const auto exp2 = [seen](V x) {
+        return seen ? ProbVec<VO>::exp2_seen(x) : ProbVec<VO>::exp2(x);
+      };
+      int t = va;
+      for (; t + W <= vb; t += 2 * W) {  // two vectors a step: one bf16 conversion
+        const V e0 = exp2(VO::fma(VO::load(s + t), sv, neg_mu));
+        const V e1 = exp2(VO::fma(VO::load(s + t + W), sv, neg_mu));
+        sum = VO::add(sum, VO::add(e0, e1));
+        asm volatile("" ::: "memory");
+        ProbVec<VO>::store_bf16_pair(P + t, e0, e1);
+      }
+      if (t <= vb) {
+        const V e = exp2(VO::fma(VO::load(s + t), sv, neg_mu));
         sum = VO::add(sum, e);
         asm volatile("" ::: "memory");
         ProbVec<VO>::store_bf16(P + t, e);
