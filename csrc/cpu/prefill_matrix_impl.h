@@ -463,12 +463,23 @@ struct MatrixPrefill {
         asm volatile("" ::: "memory");
         ProbVec<VO>::store_bf16(P + t, e);
       }
+    } else if (!std::is_same<T, float>::value) {
+      // fp32 probabilities for bf16 / fp16 outputs (the fp32 GEMMs of CPUs without a bf16
+      // one): ProbVec's 2^x is far more precise than those outputs' rounding.
+      constexpr float kLog2e = 1.44269504f;
+      const V sv = VO::set1((fold_scale ? p.scale : 1.f) * kLog2e);
+      const V neg_mu = VO::set1(-mu * kLog2e);
+      for (int t = va; t <= vb; t += W) {
+        const V x = VO::fma(VO::load(s + t), sv, neg_mu);
+        const V e = seen ? ProbVec<VO>::exp2_seen(x) : ProbVec<VO>::exp2(x);
+        sum = VO::add(sum, e);
+        VO::store(s + t, e);
+      }
     } else {
       const V sv = VO::set1(fold_scale ? p.scale : 1.f), neg_mu = VO::set1(-mu);
       for (int t = va; t <= vb; t += W) {
         const V e = VO::exp(VO::fma(VO::load(s + t), sv, neg_mu));
         sum = VO::add(sum, e);
-        if (P != nullptr) VO::cvt_store(P + t, e);
         VO::store(s + t, e);
       }
     }
