@@ -106,7 +106,9 @@ def vllm_runner(batch, args, heads, kv_heads):
     bs, hs = args.block_size, args.head_size
     dtype = batch.query.dtype
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    isa = "amx" if amx and dtype == torch.bfloat16 and bs % 32 == 0 else "vec"
+    # The hint vLLM itself picks (as pagedattn.bench.vllm_contender does).
+    isa = ("amx" if amx and dtype == torch.bfloat16 and bs % 32 == 0
+           else "vec" if bs % 32 == 0 else "vec16")
     nb = batch.key_cache.shape[0]
     raw = torch.zeros(nb, kv_heads, bs, 2 * hs, dtype=dtype)
     kc, vc = raw.view(nb, kv_heads, 2 * bs, hs).chunk(2, dim=2)
