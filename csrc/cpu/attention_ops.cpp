@@ -673,8 +673,7 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
       if (p.matrix != nullptr) matrix_engine_release();
     }
   });
-  if (p.packed == nullptr && pp.packed != nullptr &&
-      pack_workspace().bytes() > static_cast<size_t>(kKeptPackBytes))
+  if (pp.packed != nullptr && pack_workspace().bytes() > static_cast<size_t>(kKeptPackBytes))
     pack_workspace().release();
   if (plan.num_merges == 0) return;
   at::parallel_for(0, plan.num_merges, 1, [&](int64_t b, int64_t e) {
