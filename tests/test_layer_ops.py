@@ -14,7 +14,9 @@ pytestmark = pytest.mark.skipif(not ops.native_available(), reason="native exten
 
 # Widths on and off every vector width (AVX-512 16, AVX2 8, NEON/portable 4) and its pairs.
 WIDTHS = [576, 64, 40, 7, 1]
-ROWS = [1, 3, 37]
+# 240 rows of 576 split over the threads (a chunk is at least 64k elements); fewer stay on
+# the calling thread, as a decode step's rows do.
+ROWS = [1, 3, 37, 240]
 
 
 def rows_tensor(rows: int, d: int, seed: int, row_stride: int | None = None) -> torch.Tensor:
@@ -97,7 +99,7 @@ def test_gelu_tanh_and_mul_is_torchs_gelu_tanh():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 40, 8])
-@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("tokens", [1, 5, 33, 600])
 def test_rotary_embedding_on_fused_qkv_views(isa, head_dim, tokens):
     heads, kv_heads, max_pos = 3, 1, 100
     gen = torch.Generator().manual_seed(head_dim + tokens)

@@ -14,8 +14,15 @@
 namespace pagedattn {
 
 namespace {
-// Rows per parallel chunk, so a decode step's few rows stay on the calling thread.
-constexpr int64_t kRowGrain = 16;
+// Rows per parallel chunk: at least 64k elements (twice torch's grain for elementwise loops),
+// so a decode step's rows stay on the calling thread. Forking for a few microseconds of
+// work costs more than it saves, and every fork/join is a point where a step waits for a
+// thread that a busy neighbour has descheduled.
+constexpr int64_t kMinChunkElements = 65536;
+
+int64_t row_grain(int64_t row_elements) {
+  return std::max<int64_t>(1, kMinChunkElements / std::max<int64_t>(1, row_elements));
+}
 
 DType activation_dtype(at::ScalarType t, const char* name) {
   TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16, name,
@@ -49,7 +56,7 @@ at::Tensor run_norm(const at::Tensor& x, float* residual, int64_t residual_strid
                      weight.data_ptr<float>(), static_cast<float>(eps), out.data_ptr(),
                      out.size(1), x.size(1), activation_dtype(x.scalar_type(), "x"), o_dtype};
   const KernelTable* kt = current_kernels();
-  at::parallel_for(0, x.size(0), kRowGrain,
+  at::parallel_for(0, x.size(0), row_grain(x.size(1)),
                    [&](int64_t b, int64_t e) { kt->rms_norm_rows(p, b, e); });
   return out;
 }
@@ -89,7 +96,7 @@ at::Tensor act_and_mul(const at::Tensor& x, GatedActivation act) {
   const KernelTable* kt = current_kernels();
   const void* xp = x.data_ptr();
   void* op = out.data_ptr();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, row_grain(d), [&](int64_t b, int64_t e) {
     kt->act_mul_rows(act, xp, x.stride(0), op, d, b, e, d, dtype);
   });
   return out;
@@ -137,7 +144,8 @@ void rotate_tokens(const int64_t* pos, at::Tensor& query, at::Tensor& key, const
   const int64_t half = head_size / 2;
   T* q = query.data_ptr<T>();
   T* k = key.data_ptr<T>();
-  at::parallel_for(0, query.size(0), kRowGrain, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, query.size(0),
+                   row_grain((query.size(1) + key.size(1)) * head_size), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* cos = table + pos[t] * head_size;
       rotate_heads(q + t * query.stride(0), query.size(1), query.stride(1), cos, cos + half, half);
