@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+import pagedattn  # noqa: F401  (before torch: its OpenMP wait policy, pagedattn.thread_policy)
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

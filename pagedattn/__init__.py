@@ -2,6 +2,11 @@
 
 __version__ = "0.1.0"
 
+from pagedattn import thread_policy as _thread_policy
+
+# Before anything imports torch: libgomp reads its wait policy once, as torch loads.
+_thread_policy.apply_before_torch()
+
 
 def __getattr__(name: str):
     # The engine pulls in the model code; import it only when asked for.

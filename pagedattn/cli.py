@@ -18,6 +18,7 @@ import sys
 import torch
 
 import pagedattn
+from pagedattn import thread_policy
 
 
 def _native_status() -> tuple[str, str]:
@@ -49,7 +50,7 @@ def _backend_rows(head_size: int, dtype: torch.dtype, block_size: int) -> list[t
 def cmd_info(args: argparse.Namespace) -> int:
     native, isa = _native_status()
     print(f"pagedattn {pagedattn.__version__}")
-    print(f"torch     {torch.__version__}  (threads: {torch.get_num_threads()})")
+    print(f"torch     {torch.__version__}  ({thread_policy.describe()})")
     print(f"python    {platform.python_version()}  ({platform.machine()})")
     print(f"native    {native}")
     print(f"CPU ISA   {isa}")

@@ -12,6 +12,7 @@ from pagedattn.engine.args import (
     PREFILL_ATTENTION,
     EngineArgs,
 )
+from pagedattn import thread_policy
 from pagedattn.engine.scheduler import SCHEDULING_POLICIES
 
 
@@ -68,7 +69,8 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
 
 
 def describe_engine(llm) -> str:
-    """One line on what the engine runs: model, dtypes, backend, KV capacity."""
+    """One line on what the engine runs: model, dtypes, backend, KV capacity, threads and
+    their wait policy."""
     a, eng = llm.args, llm.engine
     kv = (f", KV cache {a.kv_cache_dtype} ({eng.kv_capacity_tokens} tokens in "
           f"{eng.num_blocks} blocks of {a.block_size})") if eng is not None else ""
@@ -80,7 +82,8 @@ def describe_engine(llm) -> str:
     sched = f", scheduler {a.scheduling_policy} ({a.max_num_batched_tokens} tokens a step)" \
         if eng is not None else ""
     return (f"model {a.model}, dtype {str(a.dtype).removeprefix('torch.')}, linear "
-            f"{a.linear_impl} ({act} activations), attention {backend}{prefill}{kv}{sched}")
+            f"{a.linear_impl} ({act} activations), attention {backend}{prefill}{kv}{sched}; "
+            f"{thread_policy.describe()}")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
