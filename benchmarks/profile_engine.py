@@ -63,7 +63,7 @@ def classify(dso: str, symbol: str) -> str:
         return "openmp"
     if dso.startswith("[JIT]") or "openblas" in name or name.startswith(("libmkl", "libdnnl")):
         return "gemm"
-    if name.startswith("_C.") or name.startswith("_C_"):
+    if name.startswith(("_C.", "_C_")):
         if _GEMM_SYMBOLS.search(symbol):
             return "gemm"
         return "attention" if _ATTENTION_SYMBOLS.search(symbol) else "kernels"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedattn import thread_policy
 from pagedattn.engine.args import (
     DTYPES,
     KV_CACHE_DTYPES,
@@ -12,7 +13,6 @@ from pagedattn.engine.args import (
     PREFILL_ATTENTION,
     EngineArgs,
 )
-from pagedattn import thread_policy
 from pagedattn.engine.scheduler import SCHEDULING_POLICIES
 
 
