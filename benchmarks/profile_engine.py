@@ -141,17 +141,31 @@ def busy_neighbours(count: int, seconds: float):
             p.wait()
 
 
+def at_least(low: float, kind=int):
+    """An argparse type: ``kind`` values >= ``low``, refused by name otherwise."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2 or gemma3 (or a model path)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=at_least(1), default=2)
     p.add_argument("--workload", choices=["W1", "W2", "W3"], default="W2")
-    p.add_argument("--scale", type=float, default=1.0, help="shrink the workload (quick runs)")
-    p.add_argument("--freq", type=int, default=999, help="perf samples per second per thread")
-    p.add_argument("--busy", type=int, default=0,
+    p.add_argument("--scale", type=at_least(0.001, float), default=1.0, help="shrink the workload (quick runs)")
+    p.add_argument("--freq", type=at_least(1), default=999, help="perf samples per second per thread")
+    p.add_argument("--busy", type=at_least(0), default=0,
                    help="also time the workload beside this many spinning processes")
-    p.add_argument("--top", type=int, default=12, help="print this many hottest symbols")
+    p.add_argument("--top", type=at_least(0), default=12, help="print this many hottest symbols")
     p.add_argument("--perf-data", help="keep perf's samples here (perf report -i PATH)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)

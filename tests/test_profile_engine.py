@@ -68,3 +68,17 @@ def test_profile_engine_script_reports_times_and_the_split(probe, tmp_path):
         assert sum(split.values()) == pytest.approx(100.0, abs=1.0)
         assert result["glue_percent"] == pytest.approx(
             sum(split[c] for c in probe.GLUE))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--busy", "-1"], "--busy: must be >= 0, got -1"),
+    (["--threads", "0"], "--threads: must be >= 1, got 0"),
+    (["--scale", "0"], "--scale: must be >= 0.001, got 0"),
+    (["--freq", "many"], "--freq: expected an integer, got 'many'"),
+    (["--workload", "W9"], "--workload: invalid choice: 'W9'"),
+])
+def test_bad_arguments_are_refused_by_name(probe, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        probe.main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
