@@ -13,8 +13,9 @@ For each row (a causal bf16 prefill, 32/8 heads x 128, block 32 by default) it r
   GEMM microkernel calls and the rest of the workers' busy time: packing, the softmax,
   masking, bookkeeping. That split needs no ``perf`` and no AMX: it is what this file's
   target (``<= 0.4 ns`` per pair outside the GEMMs on AVX-512) is measured with;
-* side by side, on the same inputs, calls alternating, median of ``--repeat``: the vector
-  kernels, vLLM's CPU kernel with the hint vLLM itself picks (where its wheel loads:
+* side by side, on the same inputs, calls alternating, median of ``--repeat``: the matrix
+  kernel with its bf16 GEMMs on oneDNN's brgemm instead of our AMX tile loop (``brgemm``,
+  where the tile loop runs), the vector kernels, vLLM's CPU kernel with the hint vLLM itself picks (where its wheel loads:
   ``pagedattn.bench.vllm_contender``), and torch's SDPA on contiguous K/V (GQA expanded;
   pure prefills only), with each one's speed-up figure ``theirs / ours``.
 
@@ -70,6 +71,18 @@ def visible_pairs(spec: BatchSpec, num_heads: int) -> int:
     """Causal (query row, key) pairs the batch computes, over every query head."""
     return num_heads * sum(q * (s - q) + q * (q + 1) // 2
                            for s, q in zip(spec.seq_lens, spec.query_lens))
+
+
+def on_brgemm(fn):
+    """fn with the matrix kernel's bf16 GEMMs on oneDNN's brgemm instead of our AMX tile
+    loop: the microkernel's share of the speed, side by side."""
+    def run():
+        torch.ops.pagedattn.matrix_engine_use_own_tiles(False)
+        try:
+            return fn()
+        finally:
+            torch.ops.pagedattn.matrix_engine_use_own_tiles(True)
+    return run
 
 
 def median_ms(fn, repeat: int) -> float:
@@ -173,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     heads, kv_heads = (int(x) for x in args.heads.split("/"))
     geometry = cpu_runtime.PlanGeometry(heads, kv_heads, args.head_size, dtype, -1)
     isa = ops.get_cpu_isa()
-    bf16_mk = bool(torch.ops.pagedattn.matrix_engine_bf16())
+    bf16_mk = torch.ops.pagedattn.matrix_engine_bf16_microkernel()
     print(f"ISA {isa} (amx_tile: {ops.cpu_has_amx()}), torch {torch.__version__}, "
           f"{args.threads} threads; {args.dtype}, {heads}/{kv_heads} heads x {args.head_size}, "
           f"block {args.block_size}; bf16 microkernel: {bf16_mk}")
@@ -213,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                "outside_ns_per_pair": (busy_ns - gemm_ns) * per_call / pairs,
                "gemm_calls_per_call": calls * per_call}
         fns = {"pagedattn": matrix, "vector": ours(cpu_runtime.kernel_variant())}
+        if bf16_mk == "tiles" and args.dtype == "bfloat16":
+            fns["brgemm"] = on_brgemm(matrix)
         if not args.no_peers:
             v = vllm_runner(batch, args, heads, kv_heads)
             if v is not None:

@@ -71,8 +71,13 @@ def describe_attention_choices() -> list[str]:
     from pagedattn import ops, tuning
     from pagedattn.backends.cpu_runtime import PREFILL_KERNEL_ENV
 
-    engine = ("runs (oneDNN brgemm" + (", AMX tiles" if ops.cpu_has_amx() else "") + ")"
-              if ops.matrix_engine_available() else "does not run here")
+    if ops.matrix_engine_available():
+        bf16_gemm = {"tiles": "bf16 GEMMs on its own AMX tile loop, other shapes on oneDNN brgemm",
+                     "brgemm": "oneDNN brgemm" + (", AMX tiles" if ops.cpu_has_amx() else ""),
+                     "none": "oneDNN brgemm, fp32 GEMMs only"}
+        engine = f"runs ({bf16_gemm[torch.ops.pagedattn.matrix_engine_bf16_microkernel()]})"
+    else:
+        engine = "does not run here"
     lines = [f"attention prefill kernel: vector or matrix ('amx': the matrix engine {engine}); "
              f"measured per model geometry when a model loads, {PREFILL_KERNEL_ENV} forces one"]
     path = tuning.cache_path("attention-prefill")

@@ -42,22 +42,31 @@ def test_features_over_batches(isa, feature, batch_name, dtype_name, cache_name)
     assert_matches_reference(got, run_reference(batch, args, **scales), DTYPES[dtype_name])
 
 
+MICROKERNELS = ["reference", "brgemm", "tiles"]
+
+
 @contextlib.contextmanager
 def bf16_microkernel(kind: str):
-    """bf16 items on oneDNN's bf16 VNNI microkernel ("onednn", AMX / AVX512-BF16 only) or
-    on the plain reference loops behind the same interface ("reference": the packing,
-    probability rounding and tiling of the bf16 path on any CPU)."""
-    if kind == "onednn" and not torch.ops.pagedattn.matrix_engine_bf16():
+    """bf16 items on one bf16 GEMM behind the matrix engine's interface: "reference" (plain
+    loops, any CPU: the packing, probability rounding and tiling of the bf16 path),
+    "brgemm" (oneDNN's VNNI microkernel: AMX or AVX512-BF16) or "tiles" (our own AMX tile
+    loop, where oneDNN's is not taking the shape: matrix_amx.cpp)."""
+    pa = torch.ops.pagedattn
+    if kind != "reference" and not pa.matrix_engine_bf16():
         pytest.skip("oneDNN has no bf16 microkernel on this CPU (it needs AVX512-BF16 or "
                     "AMX): bf16 items run the fp32 one")
-    torch.ops.pagedattn.matrix_engine_use_bf16_reference(kind == "reference")
+    if kind == "tiles" and pa.matrix_engine_bf16_microkernel() != "tiles":
+        pytest.skip("our AMX tile loop needs a CPU with AMX-BF16 tiles the OS grants")
+    pa.matrix_engine_use_bf16_reference(kind == "reference")
+    pa.matrix_engine_use_own_tiles(kind != "brgemm")
     try:
         yield
     finally:
-        torch.ops.pagedattn.matrix_engine_use_bf16_reference(False)
+        pa.matrix_engine_use_bf16_reference(False)
+        pa.matrix_engine_use_own_tiles(True)
 
 
-@pytest.mark.parametrize("kind", ["reference", "onednn"])
+@pytest.mark.parametrize("kind", MICROKERNELS)
 @pytest.mark.parametrize("cache_name", CACHES)
 @pytest.mark.parametrize("batch_name", PREFILL_BATCHES)
 @pytest.mark.parametrize("feature", FEATURES)
@@ -69,8 +78,8 @@ def test_bf16_microkernel_over_the_grid(isa, kind, feature, batch_name, cache_na
     assert_matches_reference(got, run_reference(batch, args, **scales), torch.bfloat16)
 
 
-@pytest.mark.parametrize("kind", ["reference", "onednn"])
-@pytest.mark.parametrize("head_size,block_size", [(32, 1), (64, 16), (72, 48), (128, 32)],
+@pytest.mark.parametrize("kind", MICROKERNELS)
+@pytest.mark.parametrize("head_size,block_size", [(32, 1), (64, 16), (72, 48), (80, 16), (128, 32)],
                          ids=lambda v: str(v))
 def test_bf16_microkernel_sizes(isa, kind, head_size, block_size):
     batch = case_inputs(BatchSpec("matrix_sizes", (70, 24), (40, 24)), "bf16", head_size,
@@ -129,7 +138,8 @@ def test_encoder_and_cross_attention_shapes(isa):
 
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
-@pytest.mark.parametrize("dtype_name, microkernel", [("fp32", None), ("bf16", "reference")])
+@pytest.mark.parametrize("dtype_name, microkernel", [("fp32", None), ("bf16", "reference"),
+                                                       ("bf16", "tiles")])
 def test_a_key_a_row_cannot_see_adds_nothing(isa, bad, dtype_name, microkernel):
     """A non-finite value at a key only later rows of a tile see must not reach the rows
     before it (0 * inf is NaN in a GEMM): the kernel sums such tiles row by row, on the
@@ -183,6 +193,40 @@ def _rows_and_presence(shape, dtype, seed):
     rows = torch.randint(info.min, info.max, shape, dtype=dtype, generator=gen)
     present = torch.rand(shape[0], generator=gen) > 0.2
     return rows, present
+
+
+# Shapes the tile loop takes (M, N multiples of 16, K of 32; one or two tiles a side) and
+# ones it hands to brgemm (a ragged M, N or K).
+GEMM_SHAPES = [(64, 128, 128, False), (64, 128, 128, True), (48, 80, 96, True), (16, 16, 32, False),
+               (32, 48, 64, True), (64, 256, 64, True), (17, 16, 32, False), (64, 128, 80, True),
+               (64, 72, 64, False)]
+
+
+@pytest.mark.parametrize("kind", MICROKERNELS)
+@pytest.mark.parametrize("m,n,k,add", GEMM_SHAPES, ids=lambda v: str(v))
+def test_bf16_gemm_is_the_fp32_sum_of_exact_products(kind, m, n, k, add):
+    gen = torch.Generator().manual_seed(m * n + k)
+    a = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(k, n, generator=gen).bfloat16()
+    c0 = torch.randn(m, n, generator=gen)
+    expected = a.double() @ b.double() + (c0.double() if add else 0)
+    c = c0.clone()
+    with bf16_microkernel(kind):
+        torch.ops.pagedattn.matrix_engine_gemm_bf16(a, b, c, add)
+    torch.testing.assert_close(c.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("a,b,c,error,match", [
+    (torch.zeros(16, 32), torch.zeros(32, 16, dtype=torch.bfloat16), torch.zeros(16, 16),
+     TypeError, "a and b must be bfloat16 and c float32, got Float"),
+    (torch.zeros(16, 31, dtype=torch.bfloat16), torch.zeros(31, 16, dtype=torch.bfloat16),
+     torch.zeros(16, 16), ValueError, r"K even, got \[16, 31\]"),
+    (torch.zeros(16, 32, dtype=torch.bfloat16), torch.zeros(32, 16, dtype=torch.bfloat16),
+     torch.zeros(16, 8), ValueError, r"c \[M, N\].*\[16, 8\]"),
+], ids=["dtype", "odd-k", "c-shape"])
+def test_bf16_gemm_rejects_bad_operands(a, b, c, error, match):
+    with bf16_microkernel("reference"), pytest.raises(error, match=match):
+        torch.ops.pagedattn.matrix_engine_gemm_bf16(a, b, c, False)
 
 
 @pytest.mark.parametrize("nrows,ncols", [(16, 1), (16, 16), (32, 5), (64, 64), (128, 100),
@@ -296,4 +340,5 @@ def test_profile_prefill_script_reports_the_split(tmp_path):
     assert row["gemm_calls_per_call"] > 0 and row["gemm_ns_per_pair"] > 0
     assert row["outside_ns_per_pair"] == pytest.approx(
         row["core_ns_per_pair"] - row["gemm_ns_per_pair"])
-    assert set(row["ms"]) == {"pagedattn", "vector"}
+    own_tiles = torch.ops.pagedattn.matrix_engine_bf16_microkernel() == "tiles"
+    assert set(row["ms"]) == {"pagedattn", "vector"} | ({"brgemm"} if own_tiles else set())

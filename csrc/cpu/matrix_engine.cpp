@@ -1,16 +1,21 @@
 // The matrix engine of the kernels (kernel_api.h MatrixEngine): oneDNN's brgemm
 // microkernels as torch exports them (at::native::cpublas). oneDNN JIT-compiles a kernel
 // per shape and thread on first use (AMX tiles where the CPU has them, else AVX-512 or
-// AVX2 code), so the kernels keep their set of GEMM shapes small.
+// AVX2 code), so the kernels keep their set of GEMM shapes small. On AMX, the bf16 GEMMs
+// whose shapes fit run on our own tile loop instead (matrix_amx.cpp), which shares the
+// thread's tile state with brgemm by the protocol below (gemm_bf16_vnni_tiles).
 #include <ATen/native/CPUBlas.h>
 
 #include <atomic>
+#include <cmath>
+#include <string>
 #include <chrono>
 #include <cstring>
 #include <mutex>
 #include <vector>
 
 #include "binding_utils.h"
+#include "matrix_amx.h"
 
 namespace pagedattn {
 namespace {
@@ -75,6 +80,48 @@ bool probe_f32() {
   }
 }
 
+// Our tile loop and brgemm each configure the thread's AMX tiles for themselves, and
+// brgemm skips configuring when it believes its own configuration is still loaded. So
+// before our loop configures, brgemm_release() makes it forget (and frees the tiles); a
+// brgemm call afterwards (a shape our loop does not take) makes ours reconfigure; and
+// matrix_engine_release(), at the end of a worker's region, frees the tiles for both.
+thread_local bool t_own_tiles_configured = false;
+bool g_own_tiles_usable = false;  // set once, by matrix_engine()
+std::atomic<bool> g_use_own_tiles{true};
+
+void gemm_bf16_vnni_tiles(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                          int64_t ldc, bool add, const bf16_t* A, const bf16_t* B, float* C) {
+  if (!amx_gemm_shape_fits(M, N, K)) {
+    t_own_tiles_configured = false;
+    gemm_bf16_vnni(M, N, K, lda, ldb, ldc, add, A, B, C);
+    return;
+  }
+  if (!t_own_tiles_configured) {
+    at::native::cpublas::brgemm_release(true);
+    amx_configure_tiles();
+    t_own_tiles_configured = true;
+  }
+  amx_gemm_bf16_vnni(M, N, K, lda, ldb, ldc, add, A, B, C);
+}
+
+// Whether our tile loop computes what brgemm does, on shapes of both kinds the kernel
+// calls (a mismatch leaves brgemm in charge, never a wrong result).
+bool probe_own_tiles() {
+  if (!amx_tiles_permitted()) return false;
+  constexpr int M = 32, N = 48, K = 64;
+  std::vector<bf16_t> a(M * K), b(K * N);
+  std::vector<float> ours(M * N, 1.f), theirs(M * N, 1.f);
+  for (int i = 0; i < M * K; ++i) a[i].bits = static_cast<uint16_t>(0x3f80 + (i * 7) % 64);
+  for (int i = 0; i < K * N; ++i) b[i].bits = static_cast<uint16_t>(0x3f00 + (i * 5) % 96);
+  gemm_bf16_vnni(M, N, K, K, N, N, true, a.data(), b.data(), theirs.data());
+  gemm_bf16_vnni_tiles(M, N, K, K, N, N, true, a.data(), b.data(), ours.data());
+  t_own_tiles_configured = false;
+  at::native::cpublas::brgemm_release(true);
+  for (int i = 0; i < M * N; ++i)
+    if (std::abs(ours[i] - theirs[i]) > 1e-3f * std::abs(theirs[i]) + 1e-3f) return false;
+  return true;
+}
+
 }  // namespace
 
 namespace {
@@ -116,22 +163,27 @@ const MatrixEngine* matrix_engine() {
   static std::once_flag once;
   static bool usable = false, bf16 = false;
   static MatrixEngine engine{&gemm_f32}, with_reference{&gemm_f32};
+  static MatrixEngine with_brgemm{&gemm_f32};  // own tiles switched off
   static MatrixEngine profiled{&profiled_gemm_f32}, profiled_reference{&profiled_gemm_f32};
   std::call_once(once, [] {
     usable = probe_f32();
     bf16 = usable && probe_bf16_vnni();
-    engine.gemm_bf16_vnni = bf16 ? &gemm_bf16_vnni : nullptr;
+    g_own_tiles_usable = bf16 && probe_own_tiles();
+    with_brgemm.gemm_bf16_vnni = bf16 ? &gemm_bf16_vnni : nullptr;
+    engine.gemm_bf16_vnni = g_own_tiles_usable ? &gemm_bf16_vnni_tiles
+                                               : with_brgemm.gemm_bf16_vnni;
     with_reference.gemm_bf16_vnni = &gemm_bf16_vnni_reference;
     profiled.gemm_bf16_vnni = bf16 ? &profiled_gemm_bf16_vnni : nullptr;
     profiled_reference.gemm_bf16_vnni = &profiled_gemm_bf16_vnni;
   });
   if (!usable) return nullptr;
   const bool reference = g_bf16_reference.load();
+  const MatrixEngine* plain = g_use_own_tiles.load() ? &engine : &with_brgemm;
   if (g_profile.load(std::memory_order_relaxed)) {
-    g_profiled_base = reference ? &with_reference : &engine;
+    g_profiled_base = reference ? &with_reference : plain;
     return reference ? &profiled_reference : &profiled;
   }
-  return reference ? &with_reference : &engine;
+  return reference ? &with_reference : plain;
 }
 
 bool matrix_engine_profiling() { return g_profile.load(std::memory_order_relaxed); }
@@ -147,7 +199,12 @@ void matrix_engine_release() {
     t_gemm_ns = t_gemm_calls = 0;
   }
   const MatrixEngine* e = matrix_engine();
-  at::native::cpublas::brgemm_release(e != nullptr && e->gemm_bf16_vnni == &gemm_bf16_vnni);
+  if (t_own_tiles_configured) {
+    t_own_tiles_configured = false;
+    amx_release_tiles();
+  }
+  at::native::cpublas::brgemm_release(e != nullptr && e->gemm_bf16_vnni != nullptr &&
+                                      e->gemm_bf16_vnni != &gemm_bf16_vnni_reference);
 }
 
 static bool matrix_engine_available_op() { return matrix_engine() != nullptr; }
@@ -161,6 +218,45 @@ static bool matrix_engine_bf16_op() {
 
 // Tests only: the bf16 path on the reference loops, so its packing runs on any CPU.
 static void matrix_engine_use_bf16_reference_op(bool on) { g_bf16_reference = on; }
+
+// The bf16 GEMMs' microkernel: "tiles" (our AMX tile loop, where it runs), "brgemm"
+// (oneDNN's, where a bf16 one runs) or "none"; and a switch between the first two, for
+// tests and side-by-side timings (on by default).
+static std::string matrix_engine_bf16_microkernel_op() {
+  const MatrixEngine* e = matrix_engine();
+  if (e == nullptr || e->gemm_bf16_vnni == nullptr) return "none";
+  return g_own_tiles_usable && g_use_own_tiles.load() ? "tiles" : "brgemm";
+}
+static void matrix_engine_use_own_tiles_op(bool on) { g_use_own_tiles = on; }
+
+// Tests only: C (+)= A . B through the current engine's bf16 GEMM, B [K, N] given plain
+// and packed here into the VNNI layout; C is fp32 [M, N], updated in place.
+static void matrix_engine_gemm_bf16_op(const at::Tensor& a, const at::Tensor& b, at::Tensor& c,
+                                       bool add) {
+  const char* op = "matrix_engine_gemm_bf16";
+  const MatrixEngine* e = matrix_engine();
+  TORCH_CHECK_NOT_IMPLEMENTED(e != nullptr && e->gemm_bf16_vnni != nullptr, op,
+                              ": no bf16 GEMM microkernel runs on this CPU");
+  check_cpu(a, "a");
+  check_cpu(b, "b");
+  check_cpu(c, "c");
+  TORCH_CHECK_TYPE(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 &&
+                       c.scalar_type() == at::kFloat,
+                   op, ": a and b must be bfloat16 and c float32, got ", a.scalar_type(), ", ",
+                   b.scalar_type(), ", ", c.scalar_type());
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(1) == b.size(0) &&
+                        c.size(0) == a.size(0) && c.size(1) == b.size(1) && a.size(1) % 2 == 0,
+                    op, ": shapes must be a [M, K], b [K, N], c [M, N] with K even, got ",
+                    a.sizes(), ", ", b.sizes(), ", ", c.sizes());
+  TORCH_CHECK_VALUE(c.is_contiguous(), op, ": c must be contiguous");
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  const at::Tensor ac = a.contiguous();
+  // [K, N] -> [K / 2, N, 2]: B[k][n] at (k / 2) * 2N + 2n + k % 2
+  const at::Tensor packed = b.reshape({K / 2, 2, N}).transpose(1, 2).contiguous();
+  e->gemm_bf16_vnni(M, N, K, K, N, N, add, reinterpret_cast<const bf16_t*>(ac.data_ptr()),
+                    reinterpret_cast<const bf16_t*>(packed.data_ptr()), c.data_ptr<float>());
+  matrix_engine_release();
+}
 
 // Tests only: the matrix kernel's packing routines of the current ISA (KernelTable::
 // pack_rows) on `rows` [nrows, ncols] (int32 words for transpose32, int16 for
@@ -218,6 +314,10 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def("matrix_engine_bf16() -> bool", &pagedattn::matrix_engine_bf16_op);
   m.def("matrix_engine_use_bf16_reference(bool on) -> ()",
         &pagedattn::matrix_engine_use_bf16_reference_op);
+  m.def("matrix_engine_bf16_microkernel() -> str", &pagedattn::matrix_engine_bf16_microkernel_op);
+  m.def("matrix_engine_use_own_tiles(bool on) -> ()", &pagedattn::matrix_engine_use_own_tiles_op);
+  m.def("matrix_engine_gemm_bf16(Tensor a, Tensor b, Tensor(a!) c, bool add) -> ()",
+        &pagedattn::matrix_engine_gemm_bf16_op);
   m.def("matrix_engine_profile(bool on) -> ()", &pagedattn::matrix_engine_profile_op);
   m.def("matrix_pack_rows(Tensor rows, Tensor present, int kind) -> Tensor",
         &pagedattn::matrix_pack_rows_op);
