@@ -87,6 +87,7 @@ bool probe_f32() {
 // matrix_engine_release(), at the end of a worker's region, frees the tiles for both.
 thread_local bool t_own_tiles_configured = false;
 bool g_own_tiles_usable = false;  // set once, by matrix_engine()
+bool g_bf16_brgemm = false;       // brgemm has a bf16 microkernel here (same)
 std::atomic<bool> g_use_own_tiles{true};
 
 void gemm_bf16_vnni_tiles(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
@@ -168,6 +169,7 @@ const MatrixEngine* matrix_engine() {
   std::call_once(once, [] {
     usable = probe_f32();
     bf16 = usable && probe_bf16_vnni();
+    g_bf16_brgemm = bf16;
     g_own_tiles_usable = bf16 && probe_own_tiles();
     with_brgemm.gemm_bf16_vnni = bf16 ? &gemm_bf16_vnni : nullptr;
     engine.gemm_bf16_vnni = g_own_tiles_usable ? &gemm_bf16_vnni_tiles
@@ -203,8 +205,9 @@ void matrix_engine_release() {
     t_own_tiles_configured = false;
     amx_release_tiles();
   }
-  at::native::cpublas::brgemm_release(e != nullptr && e->gemm_bf16_vnni != nullptr &&
-                                      e->gemm_bf16_vnni != &gemm_bf16_vnni_reference);
+  // brgemm's bf16 kernels hold the tiles (on AMX); only where it has them does its
+  // release touch tile state.
+  if (e != nullptr) at::native::cpublas::brgemm_release(g_bf16_brgemm);
 }
 
 static bool matrix_engine_available_op() { return matrix_engine() != nullptr; }
