@@ -7,11 +7,11 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <atomic>
-#include <cmath>
-#include <string>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "binding_utils.h"
@@ -105,6 +105,17 @@ void gemm_bf16_vnni_tiles(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t 
   amx_gemm_bf16_vnni(M, N, K, lda, ldb, ldc, add, A, B, C);
 }
 
+// Frees the calling thread's tiles, whichever of the two configured them last.
+void release_thread_tiles() {
+  if (t_own_tiles_configured) {
+    t_own_tiles_configured = false;
+    amx_release_tiles();
+  }
+  // brgemm's bf16 kernels hold the tiles (on AMX); only where it has them does its
+  // release touch tile state.
+  at::native::cpublas::brgemm_release(g_bf16_brgemm);
+}
+
 // Whether our tile loop computes what brgemm does, on shapes of both kinds the kernel
 // calls (a mismatch leaves brgemm in charge, never a wrong result).
 bool probe_own_tiles() {
@@ -116,8 +127,7 @@ bool probe_own_tiles() {
   for (int i = 0; i < K * N; ++i) b[i].bits = static_cast<uint16_t>(0x3f00 + (i * 5) % 96);
   gemm_bf16_vnni(M, N, K, K, N, N, true, a.data(), b.data(), theirs.data());
   gemm_bf16_vnni_tiles(M, N, K, K, N, N, true, a.data(), b.data(), ours.data());
-  t_own_tiles_configured = false;
-  at::native::cpublas::brgemm_release(true);
+  release_thread_tiles();
   for (int i = 0; i < M * N; ++i)
     if (std::abs(ours[i] - theirs[i]) > 1e-3f * std::abs(theirs[i]) + 1e-3f) return false;
   return true;
@@ -200,14 +210,7 @@ void matrix_engine_release() {
     g_gemm_calls += t_gemm_calls;
     t_gemm_ns = t_gemm_calls = 0;
   }
-  const MatrixEngine* e = matrix_engine();
-  if (t_own_tiles_configured) {
-    t_own_tiles_configured = false;
-    amx_release_tiles();
-  }
-  // brgemm's bf16 kernels hold the tiles (on AMX); only where it has them does its
-  // release touch tile state.
-  if (e != nullptr) at::native::cpublas::brgemm_release(g_bf16_brgemm);
+  release_thread_tiles();
 }
 
 static bool matrix_engine_available_op() { return matrix_engine() != nullptr; }
