@@ -137,6 +137,9 @@ def _parse_args(argv):
                         "shape and row count on this machine)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="pagedattn with EngineArgs.batch_invariant (the cost of the mode)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="pagedattn with EngineArgs.huge_pages=False (weights and KV cache on "
+                        "ordinary pages: what huge pages buy)")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
     return args
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args.peer_dtype = peer_dtype(args.peer_dtype, args.dtype)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
               kv_cache_memory="1GiB", linear_impl=args.linear_impl,
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant, huge_pages=not args.no_huge_pages)
     loads = workloads(llm.tokenizer, args.scale)
     for name, (prompts, n) in loads.items():
         lens = sorted(map(len, prompts))

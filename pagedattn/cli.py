@@ -19,6 +19,7 @@ import torch
 
 import pagedattn
 from pagedattn import thread_policy
+from pagedattn.engine import huge_pages
 
 
 def _native_status() -> tuple[str, str]:
@@ -54,6 +55,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"python    {platform.python_version()}  ({platform.machine()})")
     print(f"native    {native}")
     print(f"CPU ISA   {isa}")
+    print(f"pages     THP {huge_pages.kernel_mode()}: the engine's weights and KV cache on "
+          f"{'2 MiB' if huge_pages.available() else '4 KiB'} pages")
     dtype = getattr(torch, args.dtype)
     print(f"backends  (head_size={args.head_size}, dtype={args.dtype}, block_size={args.block_size}):")
     for name, status in _backend_rows(args.head_size, dtype, args.block_size):

@@ -114,6 +114,9 @@ class EngineArgs:
             come first served) or ``"shortest_first"`` (fewest prompt tokens left first,
             with aging; lowers the median time to first token under bursts). See
             :mod:`pagedattn.engine.scheduler`.
+        huge_pages: ``True``: the weights and the KV cache sit on 2 MiB transparent huge
+            pages where the kernel allows it (``madvise`` or ``always``;
+            :mod:`pagedattn.engine.huge_pages`); ``False``: on ordinary pages.
         seed: seeds the sampling of requests that bring no seed of their own.
         skip_tokenizer_init: no tokenizer (prompts must be token-id lists).
     """
@@ -134,6 +137,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
+    huge_pages: bool = True
     seed: int = 0
     skip_tokenizer_init: bool = False
 
@@ -163,6 +167,8 @@ class EngineArgs:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             require_int(name, getattr(self, name), 1)
         require_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if not isinstance(self.huge_pages, bool):
+            raise ValueError(f"huge_pages must be a bool, got {self.huge_pages!r}")
         require_int("seed", self.seed, 0)
         if self.max_model_len is not None:
             require_int("max_model_len", self.max_model_len, 1)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pagedattn import thread_policy
+from pagedattn.engine import huge_pages
 from pagedattn.engine.args import (
     DTYPES,
     KV_CACHE_DTYPES,
@@ -51,6 +52,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
                         "prompt tokens first, with aging)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-huge-pages", action="store_true",
+                   help="keep the weights and KV cache on ordinary pages (default: 2 MiB "
+                        "transparent huge pages where the kernel allows them)")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
@@ -64,13 +68,14 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
                   max_model_len=args.max_model_len,
-                  enable_prefix_caching=not args.no_prefix_caching)
+                  enable_prefix_caching=not args.no_prefix_caching,
+                  huge_pages=not args.no_huge_pages)
     return EngineArgs(**{**fields, **overrides})
 
 
 def describe_engine(llm) -> str:
-    """One line on what the engine runs: model, dtypes, backend, KV capacity, threads and
-    their wait policy."""
+    """One line on what the engine runs: model, dtypes, backend, KV capacity, the pages its
+    memory sits on, threads and their wait policy."""
     a, eng = llm.args, llm.engine
     kv = (f", KV cache {a.kv_cache_dtype} ({eng.kv_capacity_tokens} tokens in "
           f"{eng.num_blocks} blocks of {a.block_size})") if eng is not None else ""
@@ -79,11 +84,13 @@ def describe_engine(llm) -> str:
     prefill = f" ({eng.attention.prefill_plan})" if eng is not None and \
         eng.attention.prefill_plan else ""
     act = str(llm.act_dtype).removeprefix("torch.")
+    pages = huge_pages.describe(a.huge_pages, llm.weights_on_huge_pages,
+                                eng.runner.kv_on_huge_pages if eng is not None else None)
     sched = f", scheduler {a.scheduling_policy} ({a.max_num_batched_tokens} tokens a step)" \
         if eng is not None else ""
     return (f"model {a.model}, dtype {str(a.dtype).removeprefix('torch.')}, linear "
             f"{a.linear_impl} ({act} activations), attention {backend}{prefill}{kv}{sched}; "
-            f"{thread_policy.describe()}")
+            f"{pages}; {thread_policy.describe()}")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:

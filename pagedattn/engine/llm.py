@@ -133,6 +133,8 @@ class LLM:
         """``linear_impl="auto"``: the path each layer shape and row bucket runs."""
         self.act_dtype = loaded.act_dtype
         """The linear layers' activations (bf16 around an fp32 residual stream, or fp32)."""
+        self.weights_on_huge_pages = loaded.weights_on_huge_pages
+        """The kernel took the huge-page advice for the weights (``EngineArgs.huge_pages``)."""
         self.engine: LLMEngine | None = None
         self.embedder: Embedder | None = None
         if loaded.is_encoder:

@@ -102,7 +102,8 @@ class LLMEngine:
                                    args.max_num_seqs, args.scheduling_policy)
         self.runner = ModelRunner(loaded.model, self.attention, num_blocks=self.num_blocks,
                                   max_model_len=self.max_model_len,
-                                  max_num_seqs=args.max_num_seqs, seed=args.seed)
+                                  max_num_seqs=args.max_num_seqs, seed=args.seed,
+                                  huge=args.huge_pages)
         if args.calculate_kv_scales:
             for module in loaded.model.modules():
                 if hasattr(module, "calibrate_kv_scales"):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedattn.backend import AttentionType
+from pagedattn.engine import huge_pages
 from pagedattn.engine.args import EngineArgs
 from pagedattn.engine.attention import AttentionGeometry, AttentionStack, build_attention
 from pagedattn.models.bert import BertConfig, BertModel
@@ -32,6 +33,8 @@ class LoadedModel:
     act_dtype: torch.dtype = torch.float32
     """The activations of the linear layers (:attr:`EngineArgs.linear_dtype`, or fp32 for
     a model without the bf16-activation form)."""
+    weights_on_huge_pages: bool = False
+    """The weights were moved to memory advised for huge pages (:mod:`huge_pages`)."""
 
     @property
     def is_encoder(self) -> bool:
@@ -98,7 +101,10 @@ def load_model(args: EngineArgs) -> LoadedModel:
         # of the row count; the other paths' GEMMs block by it)
         plan = install_linear_paths(net, args.dtype, act_dtype=act_dtype,
                                     force="packed" if args.batch_invariant else None)
-    return LoadedModel(cfg, net, load_tokenizer(ckpt), attention, max_model_len, plan, act_dtype)
+    # last: the weights are in their final form (unchosen linear paths' copies freed)
+    _, on_huge_pages = huge_pages.move_module(net, args.huge_pages)
+    return LoadedModel(cfg, net, load_tokenizer(ckpt), attention, max_model_len, plan, act_dtype,
+                       on_huge_pages)
 
 
 def _activation_dtype(args: EngineArgs, model_cls) -> torch.dtype:

@@ -14,6 +14,7 @@ import hashlib
 import torch
 
 from pagedattn.backend import CommonAttentionMetadata
+from pagedattn.engine import huge_pages
 from pagedattn.engine.attention import AttentionStack
 from pagedattn.engine.input_batch import InputBatch
 from pagedattn.engine.request import Request
@@ -37,13 +38,14 @@ def request_seed(engine_seed: int, req_id: str) -> int:
 
 class ModelRunner:
     def __init__(self, model, attention: AttentionStack, *, num_blocks: int,
-                 max_model_len: int, max_num_seqs: int, seed: int = 0) -> None:
+                 max_model_len: int, max_num_seqs: int, seed: int = 0,
+                 huge: bool = True) -> None:
         self.model = model
         self.builder = attention.builder
         self.block_size = attention.spec.block_size
         shape = attention.kv_cache_shape(num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=attention.spec.dtype)
-                          for _ in range(model.config.num_layers)]
+        self.kv_caches, self.kv_on_huge_pages = huge_pages.zeros(
+            shape, attention.spec.dtype, model.config.num_layers, huge)
         self.input_batch = InputBatch(max_num_seqs, cdiv(max_model_len, self.block_size))
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
