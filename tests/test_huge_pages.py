@@ -13,6 +13,8 @@ from pagedattn.engine import huge_pages
 from pagedattn.engine.args import EngineArgs
 from pagedattn.engine.cli import describe_engine
 
+from builtin_models import needs_smollm2
+
 needs_thp = pytest.mark.skipif(not huge_pages.available(),
                                reason=f"no transparent huge pages here (THP "
                                       f"{huge_pages.kernel_mode()})")
@@ -124,6 +126,7 @@ def engines():
     return LLM(huge_pages=True, **kwargs), LLM(huge_pages=False, **kwargs)
 
 
+@needs_smollm2
 def test_the_engine_generates_the_same_tokens_on_either_pages(engines):
     on, off = engines
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -132,6 +135,7 @@ def test_the_engine_generates_the_same_tokens_on_either_pages(engines):
         [o.token_ids for o in off.generate(prompts, greedy)]
 
 
+@needs_smollm2
 def test_the_engine_says_which_pages_it_runs_on(engines):
     on, off = engines
     assert "weights and KV cache on 4 KiB pages (huge_pages=False)" in describe_engine(off)
