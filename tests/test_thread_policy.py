@@ -60,10 +60,11 @@ def test_the_engine_line_names_the_policy():
 
     class FakeLLM:  # describe_engine reads args and engine only
         class args:
-            model, dtype, linear_impl = "m", "bfloat16", "auto"
+            model, dtype, linear_impl, huge_pages = "m", "bfloat16", "auto", False
         engine = None
         embedder = type("E", (), {"builder": object()})()
         act_dtype = "bfloat16"
+        weights_on_huge_pages = False
 
     assert describe_engine(FakeLLM()).endswith(thread_policy.describe())
     assert "threads" in thread_policy.describe()
