@@ -7,7 +7,7 @@ process asks (``madvise(MADV_HUGEPAGE)``) and the kernel's mode allows it (``alw
 ``madvise`` in ``/sys/kernel/mm/transparent_hugepage/enabled``). torch asks only under
 ``THP_MEM_ALLOC_ENABLE=1``, and then for every large allocation, a prefill's temporaries
 included, whose page faults cost more than the pages save (measured in
-docs/performance.md, "Weights and KV caches on huge pages"). So the engine asks for its
+docs/performance.md, "Weights and KV cache on huge pages"). So the engine asks for its
 own long-lived tensors only: they are copied once, at load, into advised arenas.
 
 Where the kernel has no transparent huge pages, or refuses the advice, the arenas are
@@ -64,9 +64,10 @@ def available() -> bool:
 
 
 def allocate(nbytes: int, huge: bool = True) -> tuple[torch.Tensor, int, bool]:
-    """An uninitialised uint8 buffer of at least ``nbytes`` whose usable part starts on a
-    2 MiB boundary: ``(buffer, offset of that boundary, advised)``. ``advised``: the kernel
-    took the huge-page advice for it (``huge`` and :func:`available`)."""
+    """An uninitialised uint8 buffer of at least ``nbytes``: ``(buffer, offset of its usable
+    part, advised)``. ``advised`` (``huge`` and :func:`available`, and ``madvise`` took
+    it): the usable part starts on a 2 MiB boundary and is advised for huge pages; else it
+    is plain memory at offset 0."""
     if not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
     if not huge or not available() or nbytes == 0:
@@ -83,11 +84,15 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
 def _slices(raw: torch.Tensor, offset: int,
             specs: Sequence[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
     out = []
     for shape, dtype in specs:
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = _nbytes(shape, dtype)
         out.append(raw[offset:offset + n].view(dtype).view(shape))
         offset += _aligned(n)
     return out
@@ -97,8 +102,7 @@ def zeros(shape: Sequence[int], dtype: torch.dtype, count: int,
           huge: bool = True) -> tuple[list[torch.Tensor], bool]:
     """``count`` zeroed tensors of ``shape`` and ``dtype`` in one arena (the KV caches of
     every layer), and whether it is advised."""
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    raw, offset, advised = allocate(count * _aligned(n), huge)
+    raw, offset, advised = allocate(count * _aligned(_nbytes(shape, dtype)), huge)
     tensors = _slices(raw, offset, [(torch.Size(shape), dtype)] * count)
     for t in tensors:
         t.zero_()
@@ -132,7 +136,7 @@ def move_module(module: nn.Module, huge: bool = True) -> tuple[int, bool]:
     with torch.no_grad():
         for src, dst in zip(old, new):
             dst.copy_(src)
-    moved = dict(zip((id(t) for t in old), new))
+    moved = dict(zip(seen, new))  # id -> its copy
     for store, name, t in slots:
         if isinstance(t, nn.Parameter):
             t.data = moved[id(t)]
