@@ -134,7 +134,7 @@ test-sanitize: setup
 	PAGEDATTN_FUZZ_EXAMPLES=$(SANITIZE_FUZZ_EXAMPLES) \
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_cpu_ops.py tests/test_reliability.py \
 		tests/test_linear.py tests/test_layer_ops.py tests/test_matrix_prefill.py \
-		tests/test_fuzz.py
+		tests/test_fuzz.py tests/test_native_stack.py
 
 # A long fuzz campaign (test_fuzz.py runs FUZZ_EXAMPLES cases per property); the tally
 # goes to fuzz-report.json.

@@ -261,6 +261,20 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         )
 
 
+@dataclass(frozen=True)
+class DirectCall:
+    """One layer's scalars for a native loop that calls the cache write and the kernel
+    itself (:meth:`CPUAttentionBackendImpl.direct_call`); the tensors are the step's
+    metadata's."""
+
+    scale: float
+    softcap: float
+    k_scale: float
+    v_scale: float
+    window_left: int
+    window_right: int
+
+
 class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
     def __init__(
         self,
@@ -365,6 +379,23 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
             if rows is not None:
                 output.index_copy_(0, rows, out)
         return output
+
+    def direct_call(self, layer: AttentionLayer, kv_cache: torch.Tensor,
+                    attn_metadata: CPUAttentionMetadata | None) -> DirectCall | None:
+        """The scalars with which a native layer loop runs this layer's step itself: the
+        cache write, then the kernel over ``attn_metadata``'s plan, exactly what
+        :meth:`forward` does for such a step. ``None`` where the step needs
+        :meth:`forward`: encoder attention, a shared cache, ALiBi, sinks, a step that
+        sends prefills to torch's flash attention, or no metadata (warm-up)."""
+        if (attn_metadata is None or attn_metadata.scheduler_metadata is None
+                or self.attn_type != AttentionType.DECODER
+                or self.kv_sharing_target_layer_name is not None
+                or self.alibi_slopes is not None or self.sinks is not None
+                or (self.flash_prefill and attn_metadata.sdpa is not None)):
+            return None
+        k_scale, v_scale = self._kv_scales(layer, kv_cache)
+        left, right = self.sliding_window
+        return DirectCall(self.scale, self.logits_soft_cap, k_scale, v_scale, left, right)
 
     # The impl's own arguments were validated at construction and the metadata's by its
     # builder: per layer, the runtime calls the native ops without re-checking them.

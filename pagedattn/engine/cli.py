@@ -7,6 +7,7 @@ import sys
 
 from pagedattn import thread_policy
 from pagedattn.engine import huge_pages
+from pagedattn.models import native_stack
 from pagedattn.engine.args import (
     DTYPES,
     KV_CACHE_DTYPES,
@@ -88,9 +89,10 @@ def describe_engine(llm) -> str:
                                 eng.runner.kv_on_huge_pages if eng is not None else None)
     sched = f", scheduler {a.scheduling_policy} ({a.max_num_batched_tokens} tokens a step)" \
         if eng is not None else ""
+    layers = f"; {native_stack.describe(llm.model)}" if eng is not None else ""
     return (f"model {a.model}, dtype {str(a.dtype).removeprefix('torch.')}, linear "
-            f"{a.linear_impl} ({act} activations), attention {backend}{prefill}{kv}{sched}; "
-            f"{pages}; {thread_policy.describe()}")
+            f"{a.linear_impl} ({act} activations), attention {backend}{prefill}{kv}{sched}"
+            f"{layers}; {pages}; {thread_policy.describe()}")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:

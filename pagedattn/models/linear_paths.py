@@ -197,6 +197,16 @@ class MeasuredLinear(nn.Module):
         # forward indexes this by row count: one list lookup per call, no search
         self._by_rows = [by_bucket[_bucket_index(max(m, 1))] for m in range(_DIRECT_ROWS)]
         self._big = by_bucket[-1]
+        self._paths_by_rows = [choices[_bucket_index(max(m, 1))] for m in range(_DIRECT_ROWS)]
+
+    def path_for(self, rows: int) -> LinearPath:
+        """The path that :meth:`forward` runs for ``rows`` rows."""
+        return self._paths_by_rows[rows] if rows < _DIRECT_ROWS else self.choices[-1]
+
+    def weight_for(self, path: LinearPath) -> torch.Tensor:
+        """The weight, in the form ``path`` reads (only the chosen paths' are kept)."""
+        return {LinearPath.PACKED: self.packed_weight, LinearPath.DPBF16: self.dp_weight,
+                LinearPath.TORCH: self.weight, LinearPath.ONEDNN: self.onednn_weight}[path]
 
     def release_unused(self) -> None:
         used = set(self.choices)

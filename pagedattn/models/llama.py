@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedattn.models import native_stack
 from pagedattn.models.loader import CheckpointNames, decoder_names, load_weights
 from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gated_projection,
                                      keep_rows, native_dtypes, silu_and_mul)
@@ -130,6 +131,11 @@ class LlamaForCausalLM(nn.Module):
                  act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.act_dtype = act_dtype
+        self.native_stack = True
+        """Run steps on ``ops.llama_decoder_stack`` where it serves them
+        (:mod:`pagedattn.models.native_stack`); False: always the Python layer loop."""
+        self._stack_layout: native_stack.StackLayout | str | None = None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
                                       act_dtype)
@@ -147,11 +153,23 @@ class LlamaForCausalLM(nn.Module):
         the caller samples): the last layer then skips the rest's MLP (see
         :func:`keep_rows`)."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.native_stack:
+            hidden = native_stack.forward(self, self.stack_layout(), x, positions, kv_caches,
+                                          attn_metadata, output_rows)
+            if hidden is not None:
+                return hidden
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(positions, x, residual, self.rotary, kv_cache, attn_metadata,
                                 output_rows if i == last else None)
         return self.norm(x, residual)[0]
+
+    def stack_layout(self) -> native_stack.StackLayout | str:
+        """What the native step op reads of this model, or why it cannot run it (found on
+        first use: the linear layers and weights are final by then)."""
+        if self._stack_layout is None:
+            self._stack_layout = native_stack.layout(self)
+        return self._stack_layout
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -102,6 +102,16 @@ if AVAILABLE:
     def _rotary_embedding_fake(positions, query, key, cos_sin_cache):
         return None
 
+    @torch.library.register_fake("pagedattn::llama_decoder_stack")
+    def _llama_decoder_stack_fake(x, positions, cos_sin, norm_weights, linear_weights,
+                                  linear_biases, linear_paths, linear_out_features, kv_caches,
+                                  slot_mapping, query_start_loc, seq_lens, block_table,
+                                  scheduler_metadata, causal, attn_scalars, windows,
+                                  output_rows, num_heads, num_kv_heads, eps, act_dtype,
+                                  attn_dtype=None):
+        rows = x.shape[0] if output_rows is None else output_rows.shape[0]
+        return x.new_empty((rows, x.shape[1]), dtype=act_dtype)
+
     @torch.library.register_fake("pagedattn::stream_read")
     def _stream_read_fake(buf):
         return buf.new_empty((), dtype=torch.int64)
