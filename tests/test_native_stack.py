@@ -1,8 +1,10 @@
-"""The native step op (``ops.llama_decoder_stack``, driven by
+"""The native step op (``ops.decoder_stack``, driven by
 ``pagedattn.models.native_stack``) against the Python layer loop it replaces: every step's
 final hidden states bit for bit equal, over the Llama family's features (GQA, QKV bias,
-sliding window), both activation dtypes, every linear path this CPU runs, prefill, decode
-and mixed steps, fp8 caches with calibrated scales and steps that fall back to Python."""
+sliding window) and Gemma 3's (q/k norms, sandwich norms, GELU, per-layer windows and
+rotary tables, soft cap), both activation dtypes, every linear path this CPU runs,
+prefill, decode and mixed steps, fp8 caches with calibrated scales and steps that fall
+back to Python."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import transformers
 
 from pagedattn import LLM, SamplingParams, ops
 from pagedattn.models import native_stack
+from pagedattn.models.gemma3 import FULL, SLIDING
 from pagedattn.models.linear_paths import (FORCE_ENV, ROW_BUCKETS, LinearPath, MeasuredLinear,
                                           candidate_paths)
 
@@ -32,6 +35,14 @@ FAMILIES = {
         vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
         sliding_window=24),
+    # Gemma 3: five sliding layers (window 16) then a global one, a soft cap on the scores
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+        sliding_window=16, max_position_embeddings=256, attn_logit_softcapping=5.0,
+        rope_parameters={FULL: {"rope_type": "default", "rope_theta": 1e6},
+                         SLIDING: {"rope_type": "default", "rope_theta": 1e4}},
+        pad_token_id=0, bos_token_id=2, eos_token_id=1),
 }
 
 # prompts of several lengths: prefill steps, then decodes beside later chunks
@@ -59,7 +70,7 @@ def hidden_per_step(llm: LLM, native: bool, monkeypatch) -> tuple[list[torch.Ten
     model = llm.engine.runner.model
     model.native_stack = native
     outputs, native_steps = [], 0
-    forward, stack_op = model.forward, ops.llama_decoder_stack
+    forward, stack_op = model.forward, ops.decoder_stack
 
     def recording_forward(*args, **kwargs):
         out = forward(*args, **kwargs)
@@ -73,7 +84,7 @@ def hidden_per_step(llm: LLM, native: bool, monkeypatch) -> tuple[list[torch.Ten
 
     with monkeypatch.context() as m:
         m.setattr(model, "forward", recording_forward)
-        m.setattr(ops, "llama_decoder_stack", counting_op)
+        m.setattr(ops, "decoder_stack", counting_op)
         llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     return outputs, native_steps
 
@@ -115,9 +126,10 @@ def test_every_linear_path_matches_the_python_loop(checkpoints, family, dtype, m
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_isa_matches_the_python_loop(checkpoints, dtype, isa, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_every_isa_matches_the_python_loop(checkpoints, family, dtype, isa, monkeypatch):
     # The engine's default paths, measured under each instruction set of this CPU.
-    llm = engine(checkpoints["llama"], dtype=dtype)
+    llm = engine(checkpoints[family], dtype=dtype)
     assert_native_equals_python(llm, monkeypatch)
 
 
@@ -133,7 +145,7 @@ def test_the_last_layer_runs_the_paths_of_its_output_rows(checkpoints, monkeypat
     assert_native_equals_python(llm, monkeypatch)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 def test_measured_paths_and_packed_layers_match_the_python_loop(checkpoints, family,
                                                                 monkeypatch):
     # linear_impl="auto" measures a path per row bucket (a step's paths differ by its rows);
@@ -182,8 +194,8 @@ def stack_args(layers: int = 1) -> dict:
     caches = [torch.zeros(2, 2, 1, 16, hd) for _ in range(layers)]
     qsl, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
     return dict(
-        x=torch.randn(1, h), positions=torch.zeros(1, dtype=torch.long),
-        cos_sin=torch.ones(8, hd), norm_weights=[torch.ones(h)] * (2 * layers + 1),
+        style="llama", x=torch.randn(1, h), positions=torch.zeros(1, dtype=torch.long),
+        cos_sin=[torch.ones(8, hd)] * layers, norm_weights=[torch.ones(h)] * (2 * layers + 1),
         linear_weights=per_layer * layers, linear_biases=[None] * (4 * layers),
         linear_paths=[0] * (4 * layers), linear_out_features=[3 * hd, h, 2 * inter, h],
         kv_caches=caches, slot_mapping=torch.zeros(1, dtype=torch.long),
@@ -199,7 +211,7 @@ def stack_args(layers: int = 1) -> dict:
 
 def test_a_well_formed_call_runs():
     args = stack_args(layers=2)
-    out = ops.llama_decoder_stack(**args)
+    out = ops.decoder_stack(**args)
     assert out.shape == (1, 32) and torch.isfinite(out).all()
     assert args["kv_caches"][1][0, 0, 0, 0].abs().sum() > 0  # the step's key was cached
 
@@ -215,12 +227,15 @@ def test_a_well_formed_call_runs():
     (dict(num_heads=2), ValueError, r"the qkv projection's width \(96\) must be"),
     (dict(act_dtype=torch.float16), TypeError, r"act_dtype must be float32 or bfloat16"),
     (dict(linear_out_features=[96, 32]), ValueError, r"linear_out_features must hold 4"),
+    (dict(style="gpt2"), ValueError, r"style must be 'llama' or 'gemma3', got 'gpt2'"),
+    (dict(style="gemma3"), ValueError, r"norm_weights must hold 6 entries per layer"),
+    (dict(cos_sin=[]), ValueError, r"cos_sin must hold 1 entries per layer"),
 ])
 def test_bad_arguments_are_named(change, error, message):
     args = stack_args()
     if "kv_caches" in change:  # no layers: every per-layer list is empty too
         args.update(norm_weights=[torch.ones(32)], linear_weights=[], linear_biases=[],
-                    linear_paths=[], attn_scalars=[], windows=[])
+                    linear_paths=[], attn_scalars=[], windows=[], cos_sin=[])
     args.update(change)
     with pytest.raises(error, match=message):
-        ops.llama_decoder_stack(**args)
+        ops.decoder_stack(**args)

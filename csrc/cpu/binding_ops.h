@@ -14,6 +14,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
 at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                               double eps, std::optional<at::ScalarType> out_dtype);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                       const at::Tensor& cos_sin_cache);
 

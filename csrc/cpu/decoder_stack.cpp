@@ -1,10 +1,12 @@
-// One engine step of a Llama-family decoder (every layer, then the final norm) in one op.
+// One engine step of a decoder (every layer, then the final norm) in one op, in the layer
+// shape of the Llama family or of Gemma 3.
 // The Python layer loop spends a decode step's time between kernels: an interpreter frame,
 // a dispatcher call and allocations per op, dozens of ops per layer, while the second
 // thread spins waiting for the next parallel region. Here the same ops run back to back:
 // the same kernels, called through their binding entry points in the same order with the
 // same arguments, so the result is bit for bit the Python loop's
-// (pagedattn/models/llama.py: LlamaDecoderLayer.forward, MeasuredLinear's paths).
+// (pagedattn/models/llama.py: LlamaDecoderLayer.forward; pagedattn/models/gemma3.py:
+// Gemma3DecoderLayer.forward; MeasuredLinear's paths).
 // The caller (pagedattn/models/native_stack.py) decides per step whether a model and a
 // step can run here and resolves each linear layer's path for the step's row count.
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -21,17 +23,31 @@ namespace pagedattn {
 namespace {
 
 // The linear paths of pagedattn/models/linear_paths.py (LinearPath), plus the packed
-// path's fused gate/up projection with its activation.
+// path's fused gate/up projection with the MLP's activation.
 enum class LinearPath : int64_t {
   kPacked = 0,
   kDpbf16 = 1,
   kTorch = 2,
   kOnednn = 3,
-  kPackedGatedSilu = 4,
+  kPackedGated = 4,
 };
 constexpr int64_t kLinearPaths = 5;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
-constexpr int64_t kNormsPerLayer = 2;    // input, post-attention
+
+// The layer shapes: Llama's (input and post-attention norms, SiLU) and Gemma 3's (norms on
+// q and k, norms before and after the attention and the MLP blocks, GELU-tanh).
+struct Style {
+  int64_t norms_per_layer;
+  const char* activation;  // packed_gated_linear's name for it
+  at::Tensor (*act_and_mul)(const at::Tensor&);
+  bool gemma;
+};
+Style parse_style(c10::string_view name) {
+  if (name == "llama") return {2, "silu", &silu_and_mul, false};
+  if (name == "gemma3") return {6, "gelu_tanh", &gelu_tanh_and_mul, true};
+  TORCH_CHECK_VALUE(false, "style must be 'llama' or 'gemma3', got '", std::string(name), "'");
+  return {};
+}
 
 // torch's prepacked oneDNN linear (pagedattn/ops/onednn.py), called boxed: its C++
 // signature is private to torch.
@@ -61,7 +77,8 @@ struct LinearLayer {
 };
 
 // MeasuredLinear's paths, as pagedattn/models/linear_paths.py runs them.
-at::Tensor run_linear(const LinearLayer& l, at::Tensor x, at::ScalarType act_dtype) {
+at::Tensor run_linear(const LinearLayer& l, at::Tensor x, at::ScalarType act_dtype,
+                      const Style& style) {
   if (x.scalar_type() != act_dtype) x = x.to(act_dtype);
   const at::Tensor& w = l.weight;
   switch (l.path) {
@@ -77,8 +94,8 @@ at::Tensor run_linear(const LinearLayer& l, at::Tensor x, at::ScalarType act_dty
       if (w.scalar_type() == at::kFloat) return l.bias.has_value() ? out.add_(*l.bias) : out;
       return half_gemm_out(out, l.bias, act_dtype);
     }
-    case LinearPath::kPackedGatedSilu:
-      return packed_gated_linear(x.to(at::kFloat), w, l.bias, l.out_features, "silu")
+    case LinearPath::kPackedGated:
+      return packed_gated_linear(x.to(at::kFloat), w, l.bias, l.out_features, style.activation)
           .to(act_dtype);
   }
   TORCH_CHECK(false, "unreachable linear path");
@@ -86,15 +103,23 @@ at::Tensor run_linear(const LinearLayer& l, at::Tensor x, at::ScalarType act_dty
 
 // The gated MLP's act(gate) * up: one kernel on the fused packed path, else the layer's
 // path, then the activation.
-at::Tensor gated_silu(const LinearLayer& l, const at::Tensor& x, at::ScalarType act_dtype) {
-  if (l.path == LinearPath::kPackedGatedSilu) return run_linear(l, x, act_dtype);
-  return silu_and_mul(run_linear(l, x, act_dtype));
+at::Tensor gated_mlp(const LinearLayer& l, const at::Tensor& x, at::ScalarType act_dtype,
+                     const Style& style) {
+  if (l.path == LinearPath::kPackedGated) return run_linear(l, x, act_dtype, style);
+  return style.act_and_mul(run_linear(l, x, act_dtype, style));
+}
+
+// Gemma's per-head norm: [T, heads * D] (a view into the QKV output) -> [T, heads, D].
+at::Tensor head_norm(const at::Tensor& x, int64_t tokens, int64_t heads, int64_t head_size,
+                     const at::Tensor& weight, double eps, at::ScalarType act_dtype) {
+  return rms_norm(x.reshape({tokens * heads, head_size}).contiguous(), weight, eps, act_dtype)
+      .view({tokens, heads, head_size});
 }
 
 }  // namespace
 
-at::Tensor llama_decoder_stack(
-    at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
+at::Tensor decoder_stack(
+    c10::string_view style_name, at::Tensor& x, const at::Tensor& positions, at::TensorList cos_sin,
     at::TensorList norm_weights, const c10::List<std::optional<at::Tensor>>& linear_weights,
     const c10::List<std::optional<at::Tensor>>& linear_biases, at::IntArrayRef linear_paths,
     at::IntArrayRef linear_out_features, at::TensorList kv_caches, const at::Tensor& slot_mapping,
@@ -103,6 +128,7 @@ at::Tensor llama_decoder_stack(
     at::IntArrayRef windows, const std::optional<at::Tensor>& output_rows,
     int64_t num_heads, int64_t num_kv_heads, double eps, at::ScalarType act_dtype,
     std::optional<at::ScalarType> attn_dtype) {
+  const Style style = parse_style(style_name);
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK_VALUE(layers > 0, "kv_caches must hold one cache per layer, got none");
   const auto expect_len = [layers](size_t got, int64_t per_layer, int64_t extra,
@@ -111,7 +137,8 @@ at::Tensor llama_decoder_stack(
                       per_layer, " entries per layer", extra ? " plus one" : "", " (",
                       layers * per_layer + extra, " for ", layers, " layers), got ", got);
   };
-  expect_len(norm_weights.size(), kNormsPerLayer, 1, "norm_weights");
+  expect_len(norm_weights.size(), style.norms_per_layer, 1, "norm_weights");
+  expect_len(cos_sin.size(), 1, 0, "cos_sin");
   expect_len(linear_weights.size(), kLinearsPerLayer, 0, "linear_weights");
   expect_len(linear_biases.size(), kLinearsPerLayer, 0, "linear_biases");
   expect_len(linear_paths.size(), kLinearsPerLayer, 0, "linear_paths");
@@ -126,18 +153,20 @@ at::Tensor llama_decoder_stack(
                       kLinearPaths, ")");
     TORCH_CHECK_VALUE(linear_weights.get(i).has_value(), "linear_weights[", i,
                       "] is None: its path reads a weight");
-    TORCH_CHECK_VALUE(linear_paths[i] != static_cast<int64_t>(LinearPath::kPackedGatedSilu) ||
+    TORCH_CHECK_VALUE(linear_paths[i] != static_cast<int64_t>(LinearPath::kPackedGated) ||
                           i % kLinearsPerLayer == 2,
                       "linear_paths[", i, "]: only the gate/up projection takes the fused path");
   }
   TORCH_CHECK_TYPE(act_dtype == at::kFloat || act_dtype == at::kBFloat16,
                    "act_dtype must be float32 or bfloat16, got ", act_dtype);
   const at::ScalarType attn_type = attn_dtype.value_or(act_dtype);
-  TORCH_CHECK_VALUE(cos_sin.dim() == 2, "cos_sin must be 2-D [max_positions, head_size], got shape ",
-                    cos_sin.sizes());
+  for (const at::Tensor& table : cos_sin)
+    TORCH_CHECK_VALUE(table.dim() == 2 && table.size(1) == cos_sin[0].size(1),
+                      "every cos_sin table must be 2-D [max_positions, head_size] with one "
+                      "head size, got shapes ", table.sizes(), " and ", cos_sin[0].sizes());
   TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, "num_heads and num_kv_heads must be "
                     "positive, got ", num_heads, " and ", num_kv_heads);
-  const int64_t head_size = cos_sin.size(1);
+  const int64_t head_size = cos_sin[0].size(1);
   const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
   TORCH_CHECK_VALUE(linear_out_features[0] == q_size + 2 * kv_size, "the qkv projection's width (",
                     linear_out_features[0], ") must be (num_heads + 2 * num_kv_heads) * head_size = ",
@@ -158,20 +187,28 @@ at::Tensor llama_decoder_stack(
 
   at::Tensor hidden = x, residual, normed;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    const at::Tensor& input_norm = norm_weights[layer * kNormsPerLayer];
-    const at::Tensor& post_norm = norm_weights[layer * kNormsPerLayer + 1];
+    // Llama: input, post-attention. Gemma 3: input, q, k, post-attention, pre- and
+    // post-feedforward.
+    const at::Tensor* norm = &norm_weights[layer * style.norms_per_layer];
     if (layer == 0) {
-      normed = rms_norm(hidden, input_norm, eps, act_dtype);
+      normed = rms_norm(hidden, norm[0], eps, act_dtype);
       residual = hidden;
     } else {
-      normed = fused_add_rms_norm(hidden, residual, input_norm, eps, act_dtype);
+      normed = fused_add_rms_norm(hidden, residual, norm[0], eps, act_dtype);
     }
-    const at::Tensor qkv = run_linear(linear(layer, 0), normed, act_dtype);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_size});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_size});
+    const at::Tensor qkv = run_linear(linear(layer, 0), normed, act_dtype, style);
+    at::Tensor q = qkv.narrow(1, 0, q_size);
+    at::Tensor k = qkv.narrow(1, q_size, kv_size);
+    if (style.gemma) {
+      q = head_norm(q, tokens, num_heads, head_size, norm[1], eps, act_dtype);
+      k = head_norm(k, tokens, num_kv_heads, head_size, norm[2], eps, act_dtype);
+    } else {
+      q = q.view({tokens, num_heads, head_size});
+      k = k.view({tokens, num_kv_heads, head_size});
+    }
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
                              .reshape({tokens, num_kv_heads, head_size});
-    rotary_embedding(positions, q, k, cos_sin);
+    rotary_embedding(positions, q, k, cos_sin[layer]);
 
     const double* s = &attn_scalars[layer * 4];  // scale, softcap, k_scale, v_scale
     at::Tensor key_cache = kv_caches[layer].select(0, 0);
@@ -189,10 +226,16 @@ at::Tensor llama_decoder_stack(
       attn = attn.index_select(0, *output_rows);
       residual = residual.index_select(0, *output_rows);
     }
-    normed = fused_add_rms_norm(run_linear(linear(layer, 1), attn, act_dtype), residual,
-                                post_norm, eps, act_dtype);
-    hidden = run_linear(linear(layer, 3), gated_silu(linear(layer, 2), normed, act_dtype),
-                        act_dtype);
+    const at::Tensor o = run_linear(linear(layer, 1), attn, act_dtype, style);
+    if (style.gemma) {
+      normed = fused_add_rms_norm(rms_norm(o, norm[3], eps, act_dtype), residual, norm[4], eps,
+                                  act_dtype);
+    } else {
+      normed = fused_add_rms_norm(o, residual, norm[1], eps, act_dtype);
+    }
+    hidden = run_linear(linear(layer, 3), gated_mlp(linear(layer, 2), normed, act_dtype, style),
+                        act_dtype, style);
+    if (style.gemma) hidden = rms_norm(hidden, norm[5], eps, act_dtype);
   }
   return fused_add_rms_norm(hidden, residual, norm_weights.back(), eps, act_dtype);
 }
@@ -201,7 +244,8 @@ at::Tensor llama_decoder_stack(
 
 TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def(
-      "llama_decoder_stack(Tensor(b!) x, Tensor positions, Tensor cos_sin, Tensor[] norm_weights, "
+      "decoder_stack(str style, Tensor(b!) x, Tensor positions, Tensor[] cos_sin, "
+      "Tensor[] norm_weights, "
       "Tensor?[] linear_weights, Tensor?[] linear_biases, int[] linear_paths, "
       "int[] linear_out_features, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, Tensor scheduler_metadata, "
@@ -210,10 +254,10 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {
-  m.impl("llama_decoder_stack", &pagedattn::llama_decoder_stack);
+  m.impl("decoder_stack", &pagedattn::decoder_stack);
 }
 
 // oneDNN's prepacked weights are MkldnnCPU tensors, which select this key.
 TORCH_LIBRARY_IMPL(pagedattn, MkldnnCPU, m) {
-  m.impl("llama_decoder_stack", &pagedattn::llama_decoder_stack);
+  m.impl("decoder_stack", &pagedattn::decoder_stack);
 }

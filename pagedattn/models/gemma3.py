@@ -27,6 +27,7 @@ from pagedattn import ops
 from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gated_projection,
                                      keep_rows, native_dtypes)
 from pagedattn.models.loader import CheckpointNames, decoder_names, load_weights
+from pagedattn.models.native_stack import NativeStep
 
 GEMMA3_MODEL_TYPES = ("gemma3_text",)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -249,11 +250,12 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(h), residual
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(NativeStep, nn.Module):
     """``attn_impls``: one impl per layer, each built with its layer's window
     (:attr:`Gemma3Config.layer_windows`) and the scale :attr:`Gemma3Config.attn_scale`.
     ``dtype``: the model dtype, which the embedding scale is rounded to (as Gemma's
-    reference code and transformers do: ``sqrt(640)`` is 25.25 in bf16)."""
+    reference code and transformers do: ``sqrt(640)`` is 25.25 in bf16). Steps run on one
+    native op where it serves them (:class:`NativeStep`)."""
 
     def __init__(self, cfg: Gemma3Config, attn_impls: list, attn_dtype: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, act_dtype: torch.dtype | None = None) -> None:
@@ -261,6 +263,7 @@ class Gemma3ForCausalLM(nn.Module):
         if len(attn_impls) != cfg.num_layers:
             raise ValueError(f"got {len(attn_impls)} attention impls for {cfg.num_layers} layers")
         self.config = cfg
+        self.act_dtype = act_dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype).float()
         self.register_buffer("embed_scale", scale, persistent=False)
@@ -286,6 +289,9 @@ class Gemma3ForCausalLM(nn.Module):
         """The final hidden states ``[T, hidden]``, or of ``output_rows`` only (see
         :func:`keep_rows`)."""
         x, residual = self.embed(input_ids), None
+        hidden = self.native_forward(x, positions, kv_caches, attn_metadata, output_rows)
+        if hidden is not None:
+            return hidden
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(positions, x, residual, self.rotary[layer.layer_type], kv_cache,

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.models import native_stack
 from pagedattn.models.loader import CheckpointNames, decoder_names, load_weights
+from pagedattn.models.native_stack import NativeStep
 from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gated_projection,
                                      keep_rows, native_dtypes, silu_and_mul)
 
@@ -122,20 +122,17 @@ class LlamaDecoderLayer(nn.Module):
         return self.down_proj(act), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(NativeStep, nn.Module):
     """``act_dtype``: bf16 runs the linear layers, RoPE and attention on bf16 activations
     around an fp32 residual stream (the norms widen, add and round once); None keeps every
-    activation in the parameters' dtype."""
+    activation in the parameters' dtype. Steps run on one native op where it serves them
+    (:class:`NativeStep`)."""
 
     def __init__(self, cfg: LlamaConfig, attn_impls: list, attn_dtype: torch.dtype | None = None,
                  act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.act_dtype = act_dtype
-        self.native_stack = True
-        """Run steps on ``ops.llama_decoder_stack`` where it serves them
-        (:mod:`pagedattn.models.native_stack`); False: always the Python layer loop."""
-        self._stack_layout: native_stack.StackLayout | str | None = None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
                                       act_dtype)
@@ -153,23 +150,14 @@ class LlamaForCausalLM(nn.Module):
         the caller samples): the last layer then skips the rest's MLP (see
         :func:`keep_rows`)."""
         x, residual = self.embed_tokens(input_ids), None
-        if self.native_stack:
-            hidden = native_stack.forward(self, self.stack_layout(), x, positions, kv_caches,
-                                          attn_metadata, output_rows)
-            if hidden is not None:
-                return hidden
+        hidden = self.native_forward(x, positions, kv_caches, attn_metadata, output_rows)
+        if hidden is not None:
+            return hidden
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(positions, x, residual, self.rotary, kv_cache, attn_metadata,
                                 output_rows if i == last else None)
         return self.norm(x, residual)[0]
-
-    def stack_layout(self) -> native_stack.StackLayout | str:
-        """What the native step op reads of this model, or why it cannot run it (found on
-        first use: the linear layers and weights are final by then)."""
-        if self._stack_layout is None:
-            self._stack_layout = native_stack.layout(self)
-        return self._stack_layout
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

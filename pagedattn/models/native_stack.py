@@ -1,7 +1,8 @@
-"""A Llama-family decoder's step in one native op (``ops.llama_decoder_stack``): every
-layer, then the final norm, with no Python between the ops.
+"""A decoder's step in one native op (``ops.decoder_stack``): every layer, then the final
+norm, with no Python between the ops. It runs the Llama family and Gemma 3.
 
-The Python layer loop (:class:`pagedattn.models.llama.LlamaDecoderLayer`) spends much of a
+The Python layer loop (:class:`pagedattn.models.llama.LlamaDecoderLayer`,
+:class:`pagedattn.models.gemma3.Gemma3DecoderLayer`) spends much of a
 decode step between kernels: per op an interpreter frame, a dispatcher call and an
 allocation, a dozen ops per layer, while the other threads spin waiting for the next
 parallel region. The native op runs the same kernels, with the same arguments, in the same
@@ -27,25 +28,41 @@ from pagedattn.models.linear_paths import LinearPath, MeasuredLinear
 
 PATH_CODES = {LinearPath.PACKED: 0, LinearPath.DPBF16: 1, LinearPath.TORCH: 2,
               LinearPath.ONEDNN: 3}
-PACKED_GATED_SILU = 4
-"""The packed path's fused gate/up projection and SiLU (``ops.packed_gated_linear``)."""
+PACKED_GATED = 4
+"""The packed path's fused gate/up projection and activation (``ops.packed_gated_linear``)."""
 
 
 @dataclass(frozen=True)
 class StackLayout:
     """What the native op reads of a model that it can run, found once."""
 
+    style: str
+    """``"llama"`` or ``"gemma3"`` (``ops.DECODER_STACK_STYLES``)."""
     act_dtype: torch.dtype
     attn_dtype: torch.dtype
     """Attention's dtype: ``act_dtype``, or bf16 under fp32 activations."""
     linears: tuple[tuple[MeasuredLinear | PackedLinear, ...], ...]
     """Per layer: qkv, o, gate_up, down."""
     norm_weights: tuple[torch.Tensor, ...]
-    """Per layer: input, post-attention; then the final norm's."""
+    """Per layer (Llama: input, post-attention; Gemma 3, its ``1 + w`` scales: input, q, k,
+    post-attention, pre- and post-feedforward), then the final norm's."""
+    cos_sin: tuple[torch.Tensor, ...]
+    """Per layer: its rotary table."""
     out_features: tuple[int, ...]
     eps: float
     gate_fusable: bool
-    """Whether the gate/up projection's packed path fuses its SiLU (:func:`fusable`)."""
+    """Whether the gate/up projection's packed path fuses its activation (:func:`fusable`)."""
+
+
+def _norms(model, layer) -> tuple[str, list] | str:
+    """The layer's style and its norms' weights as the op takes them, or why it has none."""
+    if hasattr(layer, "q_norm"):  # Gemma 3: (1 + w), computed once here
+        names = ("input_layernorm", "q_norm", "k_norm", "post_attention_layernorm",
+                 "pre_feedforward_layernorm", "post_feedforward_layernorm")
+        return "gemma3", [getattr(layer, n).scale() for n in names]
+    if hasattr(layer, "input_layernorm") and hasattr(layer, "post_attention_layernorm"):
+        return "llama", [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    return f"no native step op for {type(layer).__name__}"
 
 
 def layout(model) -> StackLayout | str:
@@ -55,9 +72,13 @@ def layout(model) -> StackLayout | str:
     act = getattr(model, "act_dtype", None) or torch.float32
     if act not in (torch.float32, torch.bfloat16):
         return f"activations are {act}"
-    cfg = model.config
-    linears, norms = [], []
+    linears, norms, tables, styles = [], [], [], set()
     for i, layer in enumerate(model.layers):
+        found = _norms(model, layer)
+        if isinstance(found, str):
+            return found
+        styles.add(found[0])
+        norms += found[1]
         four = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         for lin in four:
             if not _runs(lin, act):
@@ -67,18 +88,21 @@ def layout(model) -> StackLayout | str:
         if not hasattr(impl, "direct_call"):
             return f"layer {i}: attention runs {type(impl).__name__}, not the native kernel"
         linears.append(four)
-        norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    norms.append(model.norm.weight)
-    if any(w.dtype != torch.float32 for w in norms) or model.rotary.cos_sin.dtype != torch.float32:
-        return "norm weights or the rotary table are not float32"
+        rotary = model.rotary[layer.layer_type] if hasattr(layer, "layer_type") else model.rotary
+        tables.append(rotary.cos_sin)
+    style = styles.pop()
+    norms.append(model.norm.scale() if style == "gemma3" else model.norm.weight)
+    if any(w.dtype != torch.float32 for w in norms + tables):
+        return "norm weights or rotary tables are not float32"
     if model.embed_tokens.weight.dtype != torch.float32:
         return "the embedding is not float32"
     out_features = tuple(lin.out_features for lin in linears[0])
     attn_dtypes = {layer.attn.attn_dtype or act for layer in model.layers}
     if len(attn_dtypes) != 1:
         return f"layers differ in their attention dtypes: {attn_dtypes}"
-    return StackLayout(act, attn_dtypes.pop(), tuple(linears), tuple(norms), out_features,
-                       cfg.rms_norm_eps, fusable(torch.empty(0, 0, dtype=act), out_features[2]))
+    return StackLayout(style, act, attn_dtypes.pop(), tuple(linears), tuple(norms),
+                       tuple(tables), out_features, model.config.rms_norm_eps,
+                       fusable(torch.empty(0, 0, dtype=act), out_features[2]))
 
 
 def _runs(lin, act: torch.dtype) -> bool:
@@ -122,15 +146,41 @@ def forward(model, stack: StackLayout | str, x: torch.Tensor, positions: torch.T
             path, weight = _path_and_weight(lin, n)
             weights.append(weight)
             biases.append(lin.bias)
-            paths.append(PACKED_GATED_SILU if which == 2 and path is LinearPath.PACKED
+            paths.append(PACKED_GATED if which == 2 and path is LinearPath.PACKED
                          and stack.gate_fusable else PATH_CODES[path])
     md = attn_metadata
     cfg = model.config
-    return ops.llama_decoder_stack(
-        x, positions, model.rotary.cos_sin, list(stack.norm_weights), weights, biases, paths,
+    return ops.decoder_stack(
+        stack.style, x, positions, list(stack.cos_sin), list(stack.norm_weights), weights,
+        biases, paths,
         list(stack.out_features), kv_caches, md.slot_mapping, md.query_start_loc, md.seq_lens,
         md.block_table, md.scheduler_metadata, md.causal, scalars, windows, output_rows,
         cfg.num_heads, cfg.num_kv_heads, stack.eps, stack.act_dtype, stack.attn_dtype)
+
+
+class NativeStep:
+    """Mixin of the decoder models the op runs: a switch, and their layout, found on first
+    use (the linear layers and weights are final by then)."""
+
+    native_stack: bool = True
+    """Run steps on ``ops.decoder_stack`` where it serves them; False: always the Python
+    layer loop."""
+    _stack_layout: StackLayout | str | None = None
+
+    def stack_layout(self) -> StackLayout | str:
+        """What the op reads of this model, or why it cannot run it."""
+        if self._stack_layout is None:
+            self._stack_layout = layout(self)
+        return self._stack_layout
+
+    def native_forward(self, x: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: list[torch.Tensor], attn_metadata,
+                       output_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's final hidden states from the op, or None: run the Python loop."""
+        if not self.native_stack:
+            return None
+        return forward(self, self.stack_layout(), x, positions, kv_caches, attn_metadata,
+                       output_rows)
 
 
 def describe(model) -> str:

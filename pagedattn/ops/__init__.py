@@ -49,7 +49,7 @@ __all__ = [
     "get_cpu_isa", "set_cpu_isa", "use_cpu_isa", "cpu_has_amx", "matrix_engine_available", "on_arm",
     "usable_isa_hints", "UnsupportedIsaHintError",
     "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
-    "cpu_attention_with_kv_cache", "metadata_numel", "llama_decoder_stack",
+    "cpu_attention_with_kv_cache", "metadata_numel", "decoder_stack", "DECODER_STACK_STYLES",
     "LINEAR_PANEL", "PACKED_LINEAR_DTYPES", "pack_linear_weight", "packed_linear",
     "GATED_ACTIVATIONS", "packed_gated_linear",
     "dpbf16_linear_available", "pack_linear_weight_dpbf16", "packed_linear_dpbf16",
@@ -589,42 +589,49 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     torch.ops.pagedattn.rotary_embedding(positions, query, key, cos_sin_cache)
 
 
-def llama_decoder_stack(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                        norm_weights: list[torch.Tensor], linear_weights: list[torch.Tensor],
-                        linear_biases: list[torch.Tensor | None], linear_paths: list[int],
-                        linear_out_features: list[int], kv_caches: list[torch.Tensor],
-                        slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, block_table: torch.Tensor,
-                        scheduler_metadata: torch.Tensor, causal: bool,
-                        attn_scalars: list[float], windows: list[int],
-                        output_rows: torch.Tensor | None, num_heads: int, num_kv_heads: int,
-                        eps: float, act_dtype: torch.dtype,
-                        attn_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One step of a Llama-family decoder, every layer then the final norm, in one op:
-    the ops of :class:`pagedattn.models.llama.LlamaDecoderLayer` in its order, with no
-    Python between them (:mod:`pagedattn.models.native_stack` builds the arguments).
+DECODER_STACK_STYLES = {"llama": 2, "gemma3": 6}
+"""The layer shapes :func:`decoder_stack` runs, and the norms each layer has."""
 
-    Per layer ``i`` (``L`` layers, one KV cache each in ``kv_caches``): ``norm_weights[2 i]``
-    and ``[2 i + 1]`` (input and post-attention RMSNorm, float32; the final norm's last);
+
+def decoder_stack(style: str, x: torch.Tensor, positions: torch.Tensor,
+                  cos_sin: list[torch.Tensor], norm_weights: list[torch.Tensor],
+                  linear_weights: list[torch.Tensor], linear_biases: list[torch.Tensor | None],
+                  linear_paths: list[int], linear_out_features: list[int],
+                  kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                  block_table: torch.Tensor, scheduler_metadata: torch.Tensor, causal: bool,
+                  attn_scalars: list[float], windows: list[int],
+                  output_rows: torch.Tensor | None, num_heads: int, num_kv_heads: int,
+                  eps: float, act_dtype: torch.dtype,
+                  attn_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One step of a decoder, every layer then the final norm, in one op: the ops of
+    :class:`pagedattn.models.llama.LlamaDecoderLayer` (``style="llama"``) or
+    :class:`pagedattn.models.gemma3.Gemma3DecoderLayer` (``"gemma3"``) in their order, with
+    no Python between them (:mod:`pagedattn.models.native_stack` builds the arguments).
+
+    Per layer ``i`` (``L`` layers, one KV cache each in ``kv_caches``): ``cos_sin[i]``, its
+    rotary table; its norms' float32 weights in ``norm_weights`` (Llama: input and
+    post-attention; Gemma 3, as ``1 + w``: input, q, k, post-attention, pre- and
+    post-feedforward; :data:`DECODER_STACK_STYLES`), the final norm's last;
     ``linear_weights[4 i + j]``, ``linear_biases[4 i + j]`` and ``linear_paths[4 i + j]`` for
     ``j`` = qkv, o, gate_up, down, each weight in the form its path reads (path codes: 0
-    packed, 1 dpbf16, 2 torch, 3 oneDNN prepacked, 4 the packed gate/up with SiLU fused;
-    ``linear_out_features``: the four widths); ``attn_scalars[4 i:4 i + 4]`` = scale,
-    softcap, k_scale, v_scale and ``windows[2 i:2 i + 2]`` = left, right. ``x`` (the
-    embeddings, float32 ``[T, hidden]``) becomes the residual stream: it is updated in
-    place. The KV caches get the step's keys and values, as the per-layer ops write them.
-    ``attn_dtype`` (default ``act_dtype``): the dtype attention runs in; Q, K and V are cast
-    to it after the rotary embedding, its output back to ``act_dtype``.
+    packed, 1 dpbf16, 2 torch, 3 oneDNN prepacked, 4 the packed gate/up with the MLP's
+    activation fused; ``linear_out_features``: the four widths); ``attn_scalars[4 i:4 i +
+    4]`` = scale, softcap, k_scale, v_scale and ``windows[2 i:2 i + 2]`` = left, right.
+    ``x`` (the embeddings, float32 ``[T, hidden]``) becomes the residual stream: it is
+    updated in place. The KV caches get the step's keys and values, as the per-layer ops
+    write them. ``attn_dtype`` (default ``act_dtype``): the dtype attention runs in; Q, K
+    and V are cast to it after the rotary embedding, its output back to ``act_dtype``.
 
     Returns the final norm's output, ``[T, hidden]`` (``[len(output_rows), hidden]`` when
     ``output_rows`` picks the rows the last layer carries past attention) in
     ``act_dtype``."""
-    _require_native("llama_decoder_stack")
-    return torch.ops.pagedattn.llama_decoder_stack(
-        x, positions, cos_sin, norm_weights, linear_weights, linear_biases, linear_paths,
-        linear_out_features, kv_caches, slot_mapping, query_start_loc, seq_lens, block_table,
-        scheduler_metadata, causal, attn_scalars, windows, output_rows, num_heads,
-        num_kv_heads, float(eps), act_dtype, attn_dtype)
+    _require_native("decoder_stack")
+    return torch.ops.pagedattn.decoder_stack(
+        style, x, positions, cos_sin, norm_weights, linear_weights, linear_biases,
+        linear_paths, linear_out_features, kv_caches, slot_mapping, query_start_loc, seq_lens,
+        block_table, scheduler_metadata, causal, attn_scalars, windows, output_rows,
+        num_heads, num_kv_heads, float(eps), act_dtype, attn_dtype)
 
 
 # ------------------------------------------------------------------ memory streaming

@@ -102,8 +102,8 @@ if AVAILABLE:
     def _rotary_embedding_fake(positions, query, key, cos_sin_cache):
         return None
 
-    @torch.library.register_fake("pagedattn::llama_decoder_stack")
-    def _llama_decoder_stack_fake(x, positions, cos_sin, norm_weights, linear_weights,
+    @torch.library.register_fake("pagedattn::decoder_stack")
+    def _decoder_stack_fake(style, x, positions, cos_sin, norm_weights, linear_weights,
                                   linear_biases, linear_paths, linear_out_features, kv_caches,
                                   slot_mapping, query_start_loc, seq_lens, block_table,
                                   scheduler_metadata, causal, attn_scalars, windows,
