@@ -54,7 +54,7 @@ def attention_share(llm: LLM, loads) -> dict[str, float]:
     shares = {}
     for name in ("W1", "W3"):
         prompts, n = loads[name]
-        with AttentionClock() as clock:
+        with AttentionClock(llm.model) as clock:
             t0 = time.perf_counter()
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             shares[name] = clock.seconds / (time.perf_counter() - t0)
@@ -140,6 +140,9 @@ def _parse_args(argv):
     p.add_argument("--no-huge-pages", action="store_true",
                    help="pagedattn with EngineArgs.huge_pages=False (weights and KV cache on "
                         "ordinary pages: what huge pages buy)")
+    p.add_argument("--no-native-step", action="store_true",
+                   help="pagedattn with EngineArgs.native_step=False (the decoder layers in "
+                        "the Python loop: what the native step op buys)")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
     return args
@@ -228,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     args.peer_dtype = peer_dtype(args.peer_dtype, args.dtype)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
               kv_cache_memory="1GiB", linear_impl=args.linear_impl,
-              batch_invariant=args.batch_invariant, huge_pages=not args.no_huge_pages)
+              batch_invariant=args.batch_invariant, huge_pages=not args.no_huge_pages,
+              native_step=not args.no_native_step)
     loads = workloads(llm.tokenizer, args.scale)
     for name, (prompts, n) in loads.items():
         lens = sorted(map(len, prompts))

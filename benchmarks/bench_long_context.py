@@ -49,7 +49,7 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict[str, float]
     before = dataclasses.replace(engine.stats, ttfts=[])
     attention = {"prefill": 0.0, "decode": 0.0}
     decode_steps = 0
-    with AttentionClock() as clock:
+    with AttentionClock(llm.model) as clock:
         while engine.has_unfinished():
             prefilled, spent = engine.stats.num_prefill_tokens, clock.seconds
             engine.step()

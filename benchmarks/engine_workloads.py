@@ -20,7 +20,6 @@ import time
 from typing import Callable
 
 from pagedattn.bench.prompts import SENTENCES
-from pagedattn.models import native_stack
 from pagedattn.models.layers import PagedAttention
 
 # The workloads' prompts were fixed on the first eight (W2 and W3 keep their lengths).
@@ -123,17 +122,20 @@ COLUMNS = ["W1 TTFT ms", "W1 decode tok/s", "W2 output tok/s", "W3 prefill tok/s
 class AttentionClock:
     """Seconds spent inside the attention layers (``PagedAttention.forward``: the impl's
     forward, cache write included) while installed: a benchmark-only wrapper, removed on
-    exit. Meanwhile models run the Python layer loop: the native step op
-    (:mod:`pagedattn.models.native_stack`) has no per-layer clock."""
+    exit. The native step op (:mod:`pagedattn.models.native_stack`) has no per-layer
+    clock, so ``model`` (the engine's) runs the Python layer loop meanwhile: the shares are
+    of that loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, model=None) -> None:
         self.seconds = 0.0
+        self._model = model
 
     def __enter__(self) -> "AttentionClock":
         # Taken on entry, not construction: exit restores what was installed when timing began.
         self._original = original = PagedAttention.forward
-        self._stack_forward = native_stack.forward
-        native_stack.forward = lambda *args, **kwargs: None
+        self._native = getattr(self._model, "native_stack", None)
+        if self._native is not None:
+            self._model.native_stack = False
         clock = self
 
         def timed_forward(layer, *args, **kwargs):
@@ -148,4 +150,5 @@ class AttentionClock:
 
     def __exit__(self, *exc) -> None:
         PagedAttention.forward = self._original
-        native_stack.forward = self._stack_forward
+        if self._native is not None:
+            self._model.native_stack = self._native

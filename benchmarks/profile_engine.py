@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_workloads import workloads  # noqa: E402
 
 from pagedattn import LLM, SamplingParams, thread_policy  # noqa: E402
+from pagedattn.models import native_stack  # noqa: E402
 
 CATEGORIES = ("gemm", "attention", "kernels", "elementwise", "openmp", "python", "os+alloc",
               "other")
@@ -166,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--busy", type=at_least(0), default=0,
                    help="also time the workload beside this many spinning processes")
     p.add_argument("--top", type=at_least(0), default=12, help="print this many hottest symbols")
+    p.add_argument("--no-native-step", action="store_true",
+                   help="the decoder layers in the Python loop (EngineArgs.native_step=False)")
     p.add_argument("--perf-data", help="keep perf's samples here (perf report -i PATH)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
-              kv_cache_memory="1GiB")
+              kv_cache_memory="1GiB", native_step=not args.no_native_step)
     prompts, n = workloads(llm.tokenizer, args.scale)[args.workload]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
@@ -183,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     quiet = min(run(), run())
     result = {"model": args.model, "workload": args.workload, "threads": args.threads,
-              "quiet_s": quiet, "threading": thread_policy.describe()}
+              "quiet_s": quiet, "threading": thread_policy.describe(),
+              "layers": native_stack.describe(llm.model)}
     print(f"{args.model} {args.workload}, {args.threads} threads: {quiet:.2f} s quiet "
-          f"(best of 2); threading: {result['threading']}")
+          f"(best of 2); threading: {result['threading']}; {result['layers']}")
     if args.busy:
         with busy_neighbours(args.busy, 30 * quiet + 60):
             busy = run()

@@ -8,11 +8,15 @@ back to Python."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import transformers
 
 from pagedattn import LLM, SamplingParams, ops
+from pagedattn.engine.args import EngineArgs
+from pagedattn.engine.cli import add_generate_arguments, engine_args
 from pagedattn.models import native_stack
 from pagedattn.models.gemma3 import FULL, SLIDING
 from pagedattn.models.linear_paths import (FORCE_ENV, ROW_BUCKETS, LinearPath, MeasuredLinear,
@@ -65,10 +69,13 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def hidden_per_step(llm: LLM, native: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
-    """Every step's final hidden states, and how many steps ran on the native op."""
+def hidden_per_step(llm: LLM, native: bool | None,
+                    monkeypatch) -> tuple[list[torch.Tensor], int]:
+    """Every step's final hidden states, and how many steps ran on the native op
+    (``native``: the model's switch; None leaves it as the engine set it)."""
     model = llm.engine.runner.model
-    model.native_stack = native
+    if native is not None:
+        model.native_stack = native
     outputs, native_steps = [], 0
     forward, stack_op = model.forward, ops.decoder_stack
 
@@ -183,6 +190,21 @@ def test_models_it_cannot_run_say_why(checkpoints):
     assert all(len(o.outputs[0].token_ids) == 3 for o in out)
     native = engine(checkpoints["llama"], dtype="float32")
     assert native_stack.describe(native.engine.runner.model).startswith("layers in one native op")
+
+
+def test_the_engine_option_turns_it_off(checkpoints, monkeypatch):
+    with pytest.raises(ValueError, match="native_step must be a bool, got 'no'"):
+        EngineArgs(native_step="no")
+    off = engine(checkpoints["llama"], dtype="float32", native_step=False)
+    assert native_stack.describe(off.engine.runner.model) == "layers in Python (native step off)"
+    _, native_steps = hidden_per_step(off, None, monkeypatch)
+    assert native_steps == 0
+    on = engine(checkpoints["llama"], dtype="float32")
+    assert hidden_per_step(on, None, monkeypatch)[1] > 0
+    parser = argparse.ArgumentParser()
+    add_generate_arguments(parser)
+    assert engine_args(parser.parse_args(["--no-native-step"])).native_step is False
+    assert engine_args(parser.parse_args([])).native_step is True
 
 
 def stack_args(layers: int = 1) -> dict:

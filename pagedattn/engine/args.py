@@ -117,6 +117,11 @@ class EngineArgs:
         huge_pages: ``True``: the weights and the KV cache sit on 2 MiB transparent huge
             pages where the kernel allows it (``madvise`` or ``always``;
             :mod:`pagedattn.engine.huge_pages`); ``False``: on ordinary pages.
+        native_step: ``True``: a step's decoder layers run in one native op
+            (``ops.decoder_stack``, Llama family and Gemma 3) wherever it serves the step,
+            with no Python between the layers' ops; bit for bit what the Python layer loop
+            computes (:mod:`pagedattn.models.native_stack`). ``False``: always the Python
+            loop.
         seed: seeds the sampling of requests that bring no seed of their own.
         skip_tokenizer_init: no tokenizer (prompts must be token-id lists).
     """
@@ -138,6 +143,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
     huge_pages: bool = True
+    native_step: bool = True
     seed: int = 0
     skip_tokenizer_init: bool = False
 
@@ -167,8 +173,9 @@ class EngineArgs:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             require_int(name, getattr(self, name), 1)
         require_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        if not isinstance(self.huge_pages, bool):
-            raise ValueError(f"huge_pages must be a bool, got {self.huge_pages!r}")
+        for name in ("huge_pages", "native_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         require_int("seed", self.seed, 0)
         if self.max_model_len is not None:
             require_int("max_model_len", self.max_model_len, 1)

@@ -56,6 +56,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
     g.add_argument("--no-huge-pages", action="store_true",
                    help="keep the weights and KV cache on ordinary pages (default: 2 MiB "
                         "transparent huge pages where the kernel allows them)")
+    g.add_argument("--no-native-step", action="store_true",
+                   help="run the decoder layers in the Python loop (default: one native op "
+                        "per step where it serves the step; the same results)")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
@@ -70,7 +73,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
                   max_model_len=args.max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching,
-                  huge_pages=not args.no_huge_pages)
+                  huge_pages=not args.no_huge_pages, native_step=not args.no_native_step)
     return EngineArgs(**{**fields, **overrides})
 
 

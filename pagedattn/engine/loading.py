@@ -101,6 +101,8 @@ def load_model(args: EngineArgs) -> LoadedModel:
         # of the row count; the other paths' GEMMs block by it)
         plan = install_linear_paths(net, args.dtype, act_dtype=act_dtype,
                                     force="packed" if args.batch_invariant else None)
+    if hasattr(net, "native_stack"):
+        net.native_stack = args.native_step
     # last: the weights are in their final form (unchosen linear paths' copies freed)
     _, on_huge_pages = huge_pages.move_module(net, args.huge_pages)
     return LoadedModel(cfg, net, load_tokenizer(ckpt), attention, max_model_len, plan, act_dtype,

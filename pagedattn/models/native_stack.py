@@ -189,7 +189,7 @@ def describe(model) -> str:
     if stack_layout is None:
         return f"layers in Python (no native step op for {type(model).__name__})"
     if not model.native_stack:
-        return "layers in Python (native step op turned off)"
+        return "layers in Python (native step off)"
     found = stack_layout()
     if isinstance(found, str):
         return f"layers in Python ({found})"
