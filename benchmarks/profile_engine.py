@@ -18,6 +18,7 @@ process), as ``perf report`` counts them.
     .venv/bin/python benchmarks/profile_engine.py                  # SmolLM2, W2, 2 threads
     .venv/bin/python benchmarks/profile_engine.py --model gemma3 --workload W1
     .venv/bin/python benchmarks/profile_engine.py --busy 2         # beside 2 spinning processes
+    .venv/bin/python benchmarks/profile_engine.py --engines 2      # and beside a second engine
 
 Without ``perf`` (not installed, or not allowed: kernel.perf_event_paranoid) it prints the
 quiet time and says why there is no split.
@@ -142,6 +143,51 @@ def busy_neighbours(count: int, seconds: float):
             p.wait()
 
 
+def neighbour_engine_argv(args: argparse.Namespace) -> list[str]:
+    """This script's command line for one neighbour engine: the same model and workload,
+    run once when told to (``--neighbour``)."""
+    argv = [sys.executable, os.path.abspath(__file__), "--neighbour", "--model", args.model,
+            "--dtype", args.dtype, "--threads", str(args.threads), "--workload",
+            args.workload, "--scale", str(args.scale)]
+    return argv + [f for f, on in (("--no-native-step", args.no_native_step),
+                                   ("--no-adaptive-threads", args.no_adaptive_threads)) if on]
+
+
+def run_as_neighbour(run) -> int:
+    """Say ``ready``, wait for ``go`` on stdin, run the workload once, print its time."""
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return 1
+    print(f"{run():.6f}", flush=True)
+    return 0
+
+
+def beside_engines(count: int, args: argparse.Namespace, run, timeout_s: float) -> list[float]:
+    """Run the workload here and in ``count`` neighbour engines (processes) at once; each
+    engine's time, this one's first. Every neighbour is killed by ``timeout_s``."""
+    procs = [subprocess.Popen(neighbour_engine_argv(args), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for _ in range(count)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a neighbour engine failed to start (rc {p.wait(60)})")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        mine = run()
+        deadline = time.monotonic() + timeout_s
+        theirs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            theirs.append(float(out.split()[-1]))
+        return [mine] + theirs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def at_least(low: float, kind=int):
     """An argparse type: ``kind`` values >= ``low``, refused by name otherwise."""
     def parse(text: str):
@@ -166,15 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--freq", type=at_least(1), default=999, help="perf samples per second per thread")
     p.add_argument("--busy", type=at_least(0), default=0,
                    help="also time the workload beside this many spinning processes")
+    p.add_argument("--engines", type=at_least(1), default=1,
+                   help="also time the workload in this many engines (processes) at once")
     p.add_argument("--top", type=at_least(0), default=12, help="print this many hottest symbols")
     p.add_argument("--no-native-step", action="store_true",
                    help="the decoder layers in the Python loop (EngineArgs.native_step=False)")
+    p.add_argument("--no-adaptive-threads", action="store_true",
+                   help="every step on all threads, whatever the neighbours do "
+                        "(EngineArgs.adaptive_threads=False)")
+    p.add_argument("--neighbour", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--perf-data", help="keep perf's samples here (perf report -i PATH)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
-              kv_cache_memory="1GiB", native_step=not args.no_native_step)
+              kv_cache_memory="1GiB", native_step=not args.no_native_step,
+              adaptive_threads=not args.no_adaptive_threads)
     prompts, n = workloads(llm.tokenizer, args.scale)[args.workload]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
@@ -184,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t0
 
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    if args.neighbour:
+        return run_as_neighbour(run)
     quiet = min(run(), run())
     result = {"model": args.model, "workload": args.workload, "threads": args.threads,
               "quiet_s": quiet, "threading": thread_policy.describe(),
@@ -195,6 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             busy = run()
         result["busy_s"] = busy
         print(f"beside {args.busy} spinning processes: {busy:.2f} s, {busy / quiet:.2f}x quiet")
+    if args.engines > 1:
+        times = beside_engines(args.engines - 1, args, run, 30 * quiet + 120)
+        result["engines_s"] = times
+        print(f"{args.engines} engines at once: "
+              + ", ".join(f"{t:.2f} s ({t / quiet:.2f}x)" for t in times)
+              + f" (this one first; quiet {quiet:.2f} s)")
+    result["steps"] = llm.engine.runner.threads.describe()
+    print(f"threads per step: {result['steps']}")
     reason = perf_unavailable()
     if reason:
         print(f"no time split: {reason}")

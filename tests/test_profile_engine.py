@@ -55,13 +55,15 @@ def test_profile_engine_script_reports_times_and_the_split(probe, tmp_path):
     out = tmp_path / "probe.json"
     threads = torch.get_num_threads()
     try:
-        assert probe.main(["--scale", "0.05", "--busy", "1", "--top", "3",
+        assert probe.main(["--scale", "0.05", "--busy", "1", "--engines", "2", "--top", "3",
                            "--json", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
     result = json.loads(out.read_text())
     assert result["workload"] == "W2" and result["quiet_s"] > 0 and result["busy_s"] > 0
     assert "OpenMP" in result["threading"]
+    assert len(result["engines_s"]) == 2 and min(result["engines_s"]) > 0
+    assert "steps:" in result["steps"]
     if probe.perf_unavailable() is None:
         split = result["split_percent"]
         assert set(split) == set(probe.CATEGORIES)
@@ -73,6 +75,7 @@ def test_profile_engine_script_reports_times_and_the_split(probe, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--busy", "-1"], "--busy: must be >= 0, got -1"),
     (["--threads", "0"], "--threads: must be >= 1, got 0"),
+    (["--engines", "0"], "--engines: must be >= 1, got 0"),
     (["--scale", "0"], "--scale: must be >= 0.001, got 0"),
     (["--freq", "many"], "--freq: expected an integer, got 'many'"),
     (["--workload", "W9"], "--workload: invalid choice: 'W9'"),

@@ -122,6 +122,13 @@ class EngineArgs:
             with no Python between the layers' ops; bit for bit what the Python layer loop
             computes (:mod:`pagedattn.models.native_stack`). ``False``: always the Python
             loop.
+        adaptive_threads: ``True``: while other processes keep this process's CPUs busy,
+            a step runs on the cores they leave free (at least one thread, at most
+            ``torch.get_num_threads()``), so that two engines or a busy neighbour share the
+            cores instead of stalling every parallel region's join
+            (:class:`pagedattn.thread_policy.StepThreads`). A different thread count can
+            change the last bits of a result unless ``batch_invariant``. ``False``: every
+            step on ``torch.get_num_threads()``.
         seed: seeds the sampling of requests that bring no seed of their own.
         skip_tokenizer_init: no tokenizer (prompts must be token-id lists).
     """
@@ -144,6 +151,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     huge_pages: bool = True
     native_step: bool = True
+    adaptive_threads: bool = True
     seed: int = 0
     skip_tokenizer_init: bool = False
 
@@ -173,7 +181,7 @@ class EngineArgs:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             require_int(name, getattr(self, name), 1)
         require_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        for name in ("huge_pages", "native_step"):
+        for name in ("huge_pages", "native_step", "adaptive_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         require_int("seed", self.seed, 0)

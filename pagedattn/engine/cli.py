@@ -59,6 +59,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
     g.add_argument("--no-native-step", action="store_true",
                    help="run the decoder layers in the Python loop (default: one native op "
                         "per step where it serves the step; the same results)")
+    g.add_argument("--no-adaptive-threads", action="store_true",
+                   help="run every step on all of torch's threads (default: on fewer while "
+                        "other processes keep the cores busy)")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
@@ -73,7 +76,8 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
                   max_model_len=args.max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching,
-                  huge_pages=not args.no_huge_pages, native_step=not args.no_native_step)
+                  huge_pages=not args.no_huge_pages, native_step=not args.no_native_step,
+                  adaptive_threads=not args.no_adaptive_threads)
     return EngineArgs(**{**fields, **overrides})
 
 
@@ -93,9 +97,10 @@ def describe_engine(llm) -> str:
     sched = f", scheduler {a.scheduling_policy} ({a.max_num_batched_tokens} tokens a step)" \
         if eng is not None else ""
     layers = f"; {native_stack.describe(llm.model)}" if eng is not None else ""
+    steps = f", {eng.runner.threads.describe()}" if eng is not None else ""
     return (f"model {a.model}, dtype {str(a.dtype).removeprefix('torch.')}, linear "
             f"{a.linear_impl} ({act} activations), attention {backend}{prefill}{kv}{sched}"
-            f"{layers}; {pages}; {thread_policy.describe()}")
+            f"{layers}; {pages}; {thread_policy.describe()}{steps}")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ContextLengthError, Scheduler
 from pagedattn.engine.structured_output import Grammars, StructuredOutput
 from pagedattn.models.loader import describe_model
+from pagedattn.thread_policy import StepThreads
 
 
 @dataclass
@@ -103,7 +104,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.attention, num_blocks=self.num_blocks,
                                   max_model_len=self.max_model_len,
                                   max_num_seqs=args.max_num_seqs, seed=args.seed,
-                                  huge=args.huge_pages)
+                                  huge=args.huge_pages,
+                                  threads=StepThreads(args.adaptive_threads))
         if args.calculate_kv_scales:
             for module in loaded.model.modules():
                 if hasattr(module, "calibrate_kv_scales"):

@@ -27,6 +27,7 @@ from pagedattn.paging import (
     reorder_batch_decodes_first,
     slot_mapping_for_new_tokens,
 )
+from pagedattn.thread_policy import StepThreads
 
 
 def request_seed(engine_seed: int, req_id: str) -> int:
@@ -39,8 +40,9 @@ def request_seed(engine_seed: int, req_id: str) -> int:
 class ModelRunner:
     def __init__(self, model, attention: AttentionStack, *, num_blocks: int,
                  max_model_len: int, max_num_seqs: int, seed: int = 0,
-                 huge: bool = True) -> None:
+                 huge: bool = True, threads: StepThreads | None = None) -> None:
         self.model = model
+        self.threads = threads if threads is not None else StepThreads(adaptive=False)
         self.builder = attention.builder
         self.block_size = attention.spec.block_size
         shape = attention.kv_cache_shape(num_blocks)
@@ -92,10 +94,15 @@ class ModelRunner:
             slot_mapping=slot_mapping, causal=True)
         return torch.tensor(ids, dtype=torch.long), positions, common, query_lens
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict]:
-        """Run one step; returns the token sampled for each request that got one, and
-        the logprobs (``sampler.TokenLogprobs``) of those that asked for them."""
+        """Run one step on the thread count ``self.threads`` chooses for it (the attention
+        plan records that count); returns the token sampled for each request that got one,
+        and the logprobs (``sampler.TokenLogprobs``) of those that asked for them."""
+        with self.threads.step():
+            return self._execute(out)
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict]:
         input_ids, positions, common, query_lens = self.prepare(out)
         attn_metadata = self.builder.build(0, common)
         reqs = self.input_batch.requests
