@@ -174,6 +174,10 @@ class StepThreads:
         self.load = load if load is not None or not adaptive else NeighbourLoad()
         self.steps_by_threads: Counter[int] = Counter()
         """How many steps ran on each thread count."""
+        self.last_threads = 0
+        """The thread count of the latest step (0 before the first)."""
+        self.steps_on_fewer = 0
+        """Steps that ran on fewer threads than the user's count."""
 
     def choose(self, ceiling: int) -> int:
         """The thread count of a step whose user-set count is ``ceiling``."""
@@ -192,6 +196,8 @@ class StepThreads:
         ceiling = torch.get_num_threads()
         threads = self.choose(ceiling)
         self.steps_by_threads[threads] += 1
+        self.last_threads = threads
+        self.steps_on_fewer += threads < ceiling
         if threads == ceiling:
             yield threads
             return

@@ -6,6 +6,7 @@ else."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
@@ -139,14 +140,19 @@ def test_models_health_metrics(oai, server):
     url, _ = server
     assert [m.id for m in oai.models.list().data] == ["smollm2"]
     assert httpx.get(f"{url}/health").status_code == 200
+    oai.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=2)
     text = httpx.get(f"{url}/metrics").text
     for name in ("pagedattn_time_to_first_token_seconds_bucket",
                  "pagedattn_inter_token_latency_seconds_bucket",
                  "pagedattn_e2e_request_latency_seconds_count", "pagedattn_num_requests_running",
                  "pagedattn_num_requests_waiting", "pagedattn_kv_cache_blocks_used",
                  "pagedattn_kv_cache_blocks_total", "pagedattn_prefix_cache_hit_rate",
-                 "pagedattn_num_preemptions_total", 'finish_reason="length"'):
+                 "pagedattn_num_preemptions_total", 'finish_reason="length"',
+                 "pagedattn_steps_on_fewer_threads_total"):
         assert name in text, name
+    # a request ran, so the latest step's thread count is set
+    threads = re.search(r'^pagedattn_step_threads\{model_name="smollm2"\} (\S+)$', text, re.M)
+    assert threads is not None and float(threads.group(1)) >= 1
 
 
 # ---------------------------------------------------------------------- bad input

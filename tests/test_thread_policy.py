@@ -169,6 +169,7 @@ def test_the_count_is_set_for_the_step_and_restored_after():
             raise RuntimeError("boom")
         assert torch.get_num_threads() == 2
         assert policy.steps_by_threads == {1: 2}
+        assert policy.last_threads == 1 and policy.steps_on_fewer == 2
         assert "fewer threads while other processes keep cores busy (steps: 2 on 1)" \
             in policy.describe()
     finally:
@@ -263,6 +264,8 @@ def test_an_engine_beside_busy_neighbours_steps_on_fewer_threads(tiny_llama):
         assert {t for t, _ in alone_steps} == {2}
         assert {t for t, _ in beside_steps} == {1}
         assert torch.get_num_threads() == 2
+        load = beside.engine.load()
+        assert load.step_threads == 1 and load.steps_on_fewer_threads == len(beside_steps)
         # batch-invariant results do not depend on the thread count
         assert [r.token_ids for r in got] == [r.token_ids for r in expected]
         assert len(alone_steps) == len(beside_steps)
@@ -274,6 +277,7 @@ def test_an_engine_beside_busy_neighbours_steps_on_fewer_threads(tiny_llama):
         beside_steps.clear()
         beside.generate(prompts[:1], params)
         assert {t for t, _ in beside_steps} == {2}
+        assert beside.engine.load().step_threads == 2
     finally:
         torch.set_num_threads(before)
 

@@ -61,6 +61,10 @@ class EngineLoad:
     prefix_cache_hits: int
     prefix_cache_queries: int
     num_preemptions: int
+    step_threads: int = 0
+    """Threads of the latest step (0 before the first; :class:`StepThreads`)."""
+    steps_on_fewer_threads: int = 0
+    """Steps that ran on fewer threads than torch's count, other processes being busy."""
 
 
 @dataclass(frozen=True)
@@ -246,11 +250,13 @@ class LLMEngine:
         failed.append(req)
 
     def load(self) -> EngineLoad:
-        """Requests and KV blocks held now, and the prefix-cache and preemption counts."""
-        sched, pool = self.scheduler, self.kv.pool
+        """Requests and KV blocks held now, the prefix-cache and preemption counts, and
+        the threads steps ran on."""
+        sched, pool, threads = self.scheduler, self.kv.pool, self.runner.threads
         return EngineLoad(len(sched.running), len(sched.waiting),
                           pool.num_blocks - pool.num_free_blocks, pool.num_blocks,
-                          pool.num_hits, pool.num_queries, sched.num_preemptions)
+                          pool.num_hits, pool.num_queries, sched.num_preemptions,
+                          threads.last_threads, threads.steps_on_fewer)
 
     def progress(self, req: Request, since: int = 0) -> RequestProgress:
         """``req``'s output from its ``since``-th token on, and whether (and why) it has

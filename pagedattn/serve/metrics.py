@@ -32,10 +32,18 @@ class ServeMetrics:
                               "Prefix-cache block hits / block queries since start")
         self.preemptions = Counter("pagedattn_num_preemptions", "Requests preempted",
                                    ["model_name"], registry=r).labels(**label)
+        self.step_threads = gauge("pagedattn_step_threads",
+                                  "Threads of the latest engine step (fewer than torch's "
+                                  "while other processes keep the cores busy)")
+        self.steps_on_fewer_threads = Counter(
+            "pagedattn_steps_on_fewer_threads", "Engine steps run on fewer threads than "
+            "torch's count because other processes kept cores busy", ["model_name"],
+            registry=r).labels(**label)
         self._requests = Counter("pagedattn_request", "Finished requests by finish reason",
                                  ["model_name", "finish_reason"], registry=r)
         self._model = model
         self._seen_preemptions = 0
+        self._seen_fewer = 0
 
     def finished(self, reason: str, e2e: float) -> None:
         self._requests.labels(model_name=self._model, finish_reason=reason).inc()
@@ -53,6 +61,10 @@ class ServeMetrics:
         if load.num_preemptions > self._seen_preemptions:
             self.preemptions.inc(load.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = load.num_preemptions
+        self.step_threads.set(load.step_threads)
+        if load.steps_on_fewer_threads > self._seen_fewer:
+            self.steps_on_fewer_threads.inc(load.steps_on_fewer_threads - self._seen_fewer)
+            self._seen_fewer = load.steps_on_fewer_threads
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
