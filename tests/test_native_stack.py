@@ -114,10 +114,11 @@ def assert_native_equals_python(llm: LLM, monkeypatch, all_native: bool = True,
 
 
 def engine(path: str, **kwargs) -> LLM:
-    # small steps: prompts are chunked, so steps mix decodes with prefill chunks
+    # small steps: prompts are chunked, so steps mix decodes with prefill chunks; the two
+    # loops are compared at one thread count, whatever else runs on the machine
     args = dict(skip_tokenizer_init=True, max_num_batched_tokens=48, kv_cache_memory="8MiB",
                 max_model_len=256, block_size=16, prefill_attention="kernel",
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, adaptive_threads=False)
     return LLM(path, **{**args, **kwargs})
 
 
