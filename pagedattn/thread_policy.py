@@ -147,16 +147,14 @@ class NeighbourLoad:
         """The cores other processes kept busy over the last completed window."""
         if not self.available:
             return 0.0
-        now = self._clock()
-        if self._last is not None and now - self._last[0] < self._window:
+        if self._clock() - self._last[0] < self._window:
             return self.cores_busy
         reading = self._read()
-        if reading is None:
+        if reading is None:  # unreadable for once: keep the last estimate
             return self.cores_busy
-        if self._last is not None:
-            (t0, busy0, own0), (t1, busy1, own1) = self._last, reading
-            others = ((busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9)
-            self.cores_busy = min(max(others, 0.0), float(self.num_cpus))
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, reading
+        others = ((busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9)
+        self.cores_busy = min(max(others, 0.0), float(self.num_cpus))
         self._last = reading
         return self.cores_busy
 
@@ -191,7 +189,7 @@ class StepThreads:
     @contextmanager
     def step(self) -> Iterator[int]:
         """Run the block (one engine step) on :meth:`choose`'s thread count."""
-        import torch
+        import torch  # not at the top: this module runs before torch is loaded
 
         ceiling = torch.get_num_threads()
         threads = self.choose(ceiling)

@@ -207,6 +207,10 @@ def test_a_spinning_process_counts_and_our_own_spinning_thread_does_not():
     done = threading.Event()
     worker = threading.Thread(target=lambda: [None for _ in iter(done.is_set, True)])
     ours = others_while(worker.start, lambda: (done.set(), worker.join()))
+    cpus = NeighbourLoad().num_cpus
+    if ours > cpus - 1:
+        pytest.skip(f"other processes keep {ours:.1f} of {cpus} CPUs busy: no core is free "
+                    "for the spinning child to show on")
     theirs = others_while(spin_child, stop_child)
     # the machine's other load is in both readings; the spinning child is one core more
     assert theirs - ours >= 0.5, (ours, theirs)
