@@ -52,7 +52,7 @@ CATEGORIES = ("gemm", "attention", "kernels", "elementwise", "openmp", "python",
 GLUE = ("openmp", "python", "os+alloc")
 
 _GEMM_SYMBOLS = re.compile(r"dnnl|mkldnn|brgemm|gemm|blas|mkl_|linear_dp|packed_linear|"
-                           r"linear_tile|amx_tile")
+                           r"linear_tile|amx_tile|amx_linear")
 _ATTENTION_SYMBOLS = re.compile(r"AttnKernel|attend|QkDp|PvDp|softmax|MatrixPrefill|TilePack|"
                                 r"pack_matrix|matrix_pack|PrefetchCursor|execute_plan|attn_item|"
                                 r"merge|slot_row|cache_write|reshape_and_cache|attention")

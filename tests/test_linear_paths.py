@@ -175,7 +175,18 @@ def test_pack_dpbf16_rejects(weight, exc, match):
         ops.pack_linear_weight_dpbf16(weight)
 
 
-@needs_dpbf16
+# The two ops over pack_linear_weight_dpbf16's layout: vdpbf16ps, and AMX tiles.
+BF16_OPS = {"dpbf16": "packed_linear_dpbf16", "amx": "packed_linear_amx"}
+
+
+def bf16_op(name: str):
+    """The op, or a skip naming why it cannot run here."""
+    path = LinearPath(name)
+    require(path, torch.bfloat16)
+    return getattr(ops, BF16_OPS[name]), getattr(torch.ops.pagedattn, BF16_OPS[name])
+
+
+@pytest.mark.parametrize("op_name", list(BF16_OPS))
 @pytest.mark.parametrize("case, exc, match", [
     ("x_fp16", TypeError, "x must be float32 or bfloat16, got Half"),
     ("out_fp16", TypeError, "out_dtype must be float32 or bfloat16, got Half"),
@@ -189,9 +200,12 @@ def test_pack_dpbf16_rejects(weight, exc, match):
                                         r"ceil\(in_features / 2\), 32\]"),
     ("packed_strided", ValueError, "packed_weight must be contiguous"),
     ("out_features_big", ValueError, "out_features must be an int in int64 range"),
-    ("isa_without_bf16_dot", NotImplementedError, "needs the avx512bf16 kernels"),
+    ("isa_without_bf16_dot", NotImplementedError, None),
 ])
-def test_packed_linear_dpbf16_rejects(case, exc, match):
+def test_packed_bf16_linear_rejects(op_name, case, exc, match):
+    op, _ = bf16_op(op_name)
+    if match is None:  # a lower ISA forced
+        match = {"dpbf16": "needs the avx512bf16 kernels", "amx": "needs AMX-BF16 tiles"}[op_name]
     x, n, bias, out_dtype = torch.randn(3, 8), 20, None, None
     packed = ops.pack_linear_weight_dpbf16(torch.randn(20, 8))
     if case == "x_fp16":
@@ -219,47 +233,77 @@ def test_packed_linear_dpbf16_rejects(case, exc, match):
     with pytest.raises(exc, match=match):
         if case == "isa_without_bf16_dot":
             with ops.use_cpu_isa("avx512"):
-                ops.packed_linear_dpbf16(x, packed, bias, n)
+                op(x, packed, bias, n)
         else:
-            ops.packed_linear_dpbf16(x, packed, bias, n, out_dtype)
+            op(x, packed, bias, n, out_dtype)
 
 
-@needs_dpbf16
-def test_packed_linear_dpbf16_opcheck_and_edges():
+@pytest.mark.parametrize("op_name", list(BF16_OPS))
+def test_packed_bf16_linear_opcheck_and_edges(op_name):
+    linear, native = bf16_op(op_name)
     x, w = torch.randn(5, 23), torch.randn(40, 23)
     packed = ops.pack_linear_weight_dpbf16(w)
     for bias in (None, torch.randn(40)):
-        torch.library.opcheck(torch.ops.pagedattn.packed_linear_dpbf16, (x, packed, bias, 40))
-        torch.library.opcheck(torch.ops.pagedattn.packed_linear_dpbf16,
-                              (x.bfloat16(), packed, bias, 40, torch.bfloat16))
+        torch.library.opcheck(native, (x, packed, bias, 40))
+        torch.library.opcheck(native, (x.bfloat16(), packed, bias, 40, torch.bfloat16))
     # bf16 activations are the fp32 path's own rounding of x; a bf16 output is its sums
     # rounded once
-    torch.testing.assert_close(ops.packed_linear_dpbf16(x.bfloat16(), packed, None, 40),
-                               ops.packed_linear_dpbf16(x, packed, None, 40), rtol=0, atol=0)
+    torch.testing.assert_close(linear(x.bfloat16(), packed, None, 40),
+                               linear(x, packed, None, 40), rtol=0, atol=0)
     torch.testing.assert_close(
-        ops.packed_linear_dpbf16(x, packed, None, 40, torch.bfloat16),
-        ops.packed_linear_dpbf16(x, packed, None, 40).bfloat16(), rtol=0, atol=0)
-    assert ops.packed_linear_dpbf16(torch.empty(0, 23), packed, None, 40).shape == (0, 40)
+        linear(x, packed, None, 40, torch.bfloat16),
+        linear(x, packed, None, 40).bfloat16(), rtol=0, atol=0)
+    assert linear(torch.empty(0, 23), packed, None, 40).shape == (0, 40)
     strided = torch.randn(23, 5).T  # last dim strided: copied first
-    torch.testing.assert_close(ops.packed_linear_dpbf16(strided, packed, None, 40),
-                               ops.packed_linear_dpbf16(strided.contiguous(), packed, None, 40))
+    torch.testing.assert_close(linear(strided, packed, None, 40),
+                               linear(strided.contiguous(), packed, None, 40))
     # NaN/inf in the row after the last feature must not leak through the padded pair
     wide = torch.full((5, 24), float("nan"))
     wide[:, :23] = x
-    torch.testing.assert_close(ops.packed_linear_dpbf16(wide[:, :23], packed, None, 40),
-                               ops.packed_linear_dpbf16(x, packed, None, 40))
+    torch.testing.assert_close(linear(wide[:, :23], packed, None, 40),
+                               linear(x, packed, None, 40))
+    # no features: the output is the bias
+    bias = torch.randn(40)
+    no_features = ops.pack_linear_weight_dpbf16(torch.randn(40, 0))
+    torch.testing.assert_close(linear(torch.empty(3, 0), no_features, bias, 40),
+                               bias.expand(3, 40), rtol=0, atol=0)
 
 
-@needs_dpbf16
-def test_packed_linear_dpbf16_compiles_fullgraph():
+@pytest.mark.parametrize("op_name", list(BF16_OPS))
+def test_packed_bf16_linear_compiles_fullgraph(op_name):
+    _, native = bf16_op(op_name)
     x, w, bias = torch.randn(5, 23), torch.randn(40, 23), torch.randn(40)
     packed = ops.pack_linear_weight_dpbf16(w)
 
     def step(x):
-        return torch.ops.pagedattn.packed_linear_dpbf16(x, packed, bias, 40).relu()
+        return native(x, packed, bias, 40).relu()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 65, 130])
+@pytest.mark.parametrize("k", [2, 31, 32, 64, 100, 576])
+def test_packed_linear_amx_rows_and_depths(rows, k):
+    """The tile loop's edges against float64: 16-row tiles and 32-row blocks with their
+    leftover rows, 64-row chunks, K steps of 32 features with a zero-padded last one (and
+    an odd k's padded pair), an odd panel count (the last pair has one panel) and a width
+    off the panel."""
+    linear, _ = bf16_op("amx")
+    n = 40
+    gen = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w, bias = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+    packed = ops.pack_linear_weight_dpbf16(w)
+    expected = x.double() @ w.double().T + bias.double()
+    mags = x.double().abs() @ w.double().abs().T
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = linear(x, packed, bias, n, out_dtype)
+        u_out = HALF_U[torch.bfloat16] if out_dtype == torch.bfloat16 else U32
+        acc = (k + 1) * U32 * mags + U32 * (expected.abs() + mags)
+        bound = acc + u_out * (expected.abs() + acc) + 1e-30
+        err = (out.double() - expected).abs()
+        assert (err <= bound).all(), (out_dtype, float((err - bound).max()))
 
 
 # ------------------------------------------------------------------ choosing and caching
@@ -365,7 +409,11 @@ def test_forced_path(cache_dir, monkeypatch, how):
 
 @needs_native
 def test_forced_path_rejections(cache_dir, monkeypatch):
-    with pytest.raises(ValueError, match="linear path must be one of packed, dpbf16, torch, onednn, got 'amx'"):
+    with pytest.raises(ValueError,
+                       match="linear path must be one of packed, dpbf16, amx, torch, onednn, "
+                             "got 'tiles'"):
+        lp.install_linear_paths(small_net(), torch.float32, force="tiles")
+    with pytest.raises(ValueError, match="linear path 'amx' cannot run 24x40:float32: .*bfloat16"):
         lp.install_linear_paths(small_net(), torch.float32, force="amx")
     with pytest.raises(ValueError, match="linear path 'dpbf16' cannot run 24x40:float32: .*bfloat16"):
         lp.install_linear_paths(small_net(), torch.float32, force="dpbf16")

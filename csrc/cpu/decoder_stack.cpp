@@ -30,8 +30,9 @@ enum class LinearPath : int64_t {
   kTorch = 2,
   kOnednn = 3,
   kPackedGated = 4,
+  kAmx = 5,
 };
-constexpr int64_t kLinearPaths = 5;
+constexpr int64_t kLinearPaths = 6;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 
 // The layer shapes: Llama's (input and post-attention norms, SiLU) and Gemma 3's (norms on
@@ -86,6 +87,8 @@ at::Tensor run_linear(const LinearLayer& l, at::Tensor x, at::ScalarType act_dty
       return packed_linear(x.to(at::kFloat), w, l.bias, l.out_features).to(act_dtype);
     case LinearPath::kDpbf16:
       return packed_linear_dpbf16(x, w, l.bias, l.out_features, act_dtype);
+    case LinearPath::kAmx:
+      return packed_linear_amx(x, w, l.bias, l.out_features, act_dtype);
     case LinearPath::kTorch:
       if (w.scalar_type() == at::kFloat) return at::linear(x, w, l.bias);
       return half_gemm_out(at::linear(x.to(w.scalar_type()), w), l.bias, act_dtype);

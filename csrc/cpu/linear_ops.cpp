@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "binding_utils.h"
+#include "matrix_amx.h"
 
 namespace pagedattn {
 
@@ -134,9 +135,17 @@ static DType activation_dtype(at::ScalarType t, const char* name) {
   return t == at::kFloat ? DType::kF32 : DType::kBF16;
 }
 
-at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_weight,
-                                const std::optional<at::Tensor>& bias, int64_t out_features,
-                                std::optional<at::ScalarType> out_dtype) {
+namespace {
+// x, packed_weight (pack_linear_weight_dpbf16), bias and out_dtype checked; the
+// parameters of the call and its output (not yet written).
+struct DpCall {
+  LinearDpParams p;
+  at::Tensor out, x, bias;
+  int64_t panels;
+};
+DpCall checked_dp_call(const at::Tensor& x, const at::Tensor& packed_weight,
+                       const std::optional<at::Tensor>& bias, int64_t out_features,
+                       std::optional<at::ScalarType> out_dtype) {
   check_cpu(x, "x");
   const DType x_dtype = activation_dtype(x.scalar_type(), "x");
   const at::ScalarType out_type = out_dtype.value_or(at::kFloat);
@@ -156,22 +165,40 @@ at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_we
                     k_pairs, " pairs of them (", 2 * k_pairs - 1, " or ", 2 * k_pairs,
                     " features)");
   check_panels(out_features, panels);
-  const at::Tensor bias_c = checked_bias(bias, out_features);
+  DpCall call;
+  call.bias = checked_bias(bias, out_features);
+  call.x = x.stride(1) == 1 ? x : x.contiguous();
+  call.out = at::empty({x.size(0), out_features}, x.options().dtype(out_type));
+  call.panels = panels;
+  call.p = LinearDpParams{call.x.data_ptr(), call.x.stride(0),
+                          reinterpret_cast<const bf16_t*>(packed_weight.data_ptr()),
+                          call.bias.defined() ? call.bias.data_ptr<float>() : nullptr,
+                          call.out.data_ptr(), call.out.stride(0), x.size(0), out_features, k,
+                          k_pairs, x_dtype, o_dtype};
+  return call;
+}
+
+// An empty x, or one without features (the output is the bias); false: the call has work.
+bool done_without_work(DpCall& call) {
+  if (call.p.m == 0) return true;
+  if (call.p.k != 0) return false;
+  if (call.bias.defined()) call.out.copy_(call.bias.expand({call.p.m, call.p.n}));
+  else call.out.zero_();
+  return true;
+}
+}  // namespace
+
+at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_weight,
+                                const std::optional<at::Tensor>& bias, int64_t out_features,
+                                std::optional<at::ScalarType> out_dtype) {
+  DpCall call = checked_dp_call(x, packed_weight, bias, out_features, out_dtype);
   const KernelTable* kt = current_kernels();
   TORCH_CHECK_NOT_IMPLEMENTED(kt->linear_dpbf16_block != nullptr,
                               "packed_linear_dpbf16 needs the avx512bf16 kernels (a CPU with "
                               "AVX512-BF16); the kernels in use are ", kt->name);
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  const int64_t m = x.size(0);
-  at::Tensor out = at::empty({m, out_features}, x.options().dtype(out_type));
-  if (m == 0) return out;
-  if (k == 0) return bias_c.defined() ? out.copy_(bias_c.expand({m, out_features})) : out.zero_();
-
-  const LinearDpParams p{xc.data_ptr(), xc.stride(0),
-                         reinterpret_cast<const bf16_t*>(packed_weight.data_ptr()),
-                         bias_c.defined() ? bias_c.data_ptr<float>() : nullptr,
-                         out.data_ptr(), out.stride(0), m, out_features, k, k_pairs,
-                         x_dtype, o_dtype};
+  if (done_without_work(call)) return call.out;
+  const LinearDpParams& p = call.p;
+  const int64_t m = p.m, k = p.k, panels = call.panels;
   // Threads split the panels in whole groups of the microkernel's 4-panel tile; each rounds
   // its row block to bf16 into its own buffer (kept between calls: no allocation per call).
   constexpr int64_t kGroup = 4;
@@ -180,12 +207,48 @@ at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_we
       1, kMinChunkMacs / (std::min(m, kRowBlock) * k * kLinearPanel * kGroup));
   at::parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
     thread_local std::vector<bf16_t> x_bf16;
-    x_bf16.resize(std::max<size_t>(x_bf16.size(), std::min(m, kRowBlock) * 2 * k_pairs));
+    x_bf16.resize(std::max<size_t>(x_bf16.size(), std::min(m, kRowBlock) * 2 * p.k_pairs));
     const int64_t pb = gb * kGroup, pe = std::min(panels, ge * kGroup);
     for (int64_t mb = 0; mb < m; mb += kRowBlock)
       kt->linear_dpbf16_block(p, mb, std::min(m, mb + kRowBlock), pb, pe, x_bf16.data());
   });
-  return out;
+  return call.out;
+}
+
+// The tiles, where the kernels in use are the AVX512-BF16 ones (the epilogue's rounding
+// is theirs; a lower ISA forced, as tests and comparisons do, goes without them too).
+bool amx_linear_available() {
+  return current_cpu_isa() == CpuIsa::kAvx512bf16 && own_tiles_permitted();
+}
+
+// The same product on AMX tiles (matrix_amx.cpp): the weight's panels are read in place
+// as B tiles, two at a time, against 32 rows of x at a time.
+at::Tensor packed_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
+                             const std::optional<at::Tensor>& bias, int64_t out_features,
+                             std::optional<at::ScalarType> out_dtype) {
+  DpCall call = checked_dp_call(x, packed_weight, bias, out_features, out_dtype);
+  TORCH_CHECK_NOT_IMPLEMENTED(amx_linear_available(),
+                              "packed_linear_amx needs AMX-BF16 tiles that this process may "
+                              "use (a CPU with amx_bf16 and a Linux that grants them)");
+  if (done_without_work(call)) return call.out;
+  const LinearDpParams& p = call.p;
+  const int64_t m = p.m, pairs = (call.panels + 1) / 2;
+  // Rows per chunk: a chunk's A tiles (64 x up to 2 KiB a row) stay in L2 while its
+  // panels stream past.
+  constexpr int64_t kAmxRowChunk = 64;
+  const int64_t ld = amx_linear_row_stride(p.k_pairs);
+  const int64_t grain = std::max<int64_t>(
+      1, kMinChunkMacs / (std::min(m, kAmxRowChunk) * std::max<int64_t>(p.k, 1) * 2 * kLinearPanel));
+  at::parallel_for(0, pairs, grain, [&](int64_t qb, int64_t qe) {
+    thread_local std::vector<bf16_t> rows;
+    rows.resize(std::max<size_t>(rows.size(), (std::min(m, kAmxRowChunk) + 15) / 16 * 16 * ld));
+    const int64_t pb = 2 * qb, pe = std::min(call.panels, 2 * qe);
+    acquire_own_tiles();
+    for (int64_t mb = 0; mb < m; mb += kAmxRowChunk)
+      amx_linear_panels(p, mb, std::min(m, mb + kAmxRowChunk), pb, pe, rows.data());
+    release_own_tiles();
+  });
+  return call.out;
 }
 
 }  // namespace pagedattn
@@ -196,10 +259,14 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
         "str activation) -> Tensor");
   m.def("packed_linear_dpbf16(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, "
         "ScalarType? out_dtype=None) -> Tensor");
+  m.def("packed_linear_amx(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, "
+        "ScalarType? out_dtype=None) -> Tensor");
+  m.def("amx_linear_available() -> bool", &pagedattn::amx_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {
   m.impl("packed_linear", &pagedattn::packed_linear);
   m.impl("packed_gated_linear", &pagedattn::packed_gated_linear);
   m.impl("packed_linear_dpbf16", &pagedattn::packed_linear_dpbf16);
+  m.impl("packed_linear_amx", &pagedattn::packed_linear_amx);
 }

@@ -8,12 +8,13 @@
 // Tiles: 0-3 accumulate a 32 x 32 block of C (2 x 2 tiles of 16 x 16 fp32), 4-5 hold A's
 // two row tiles (16 rows x 32 bf16) and 6-7 B's two column tiles (16 pairs of K x 16
 // columns), so each K step of 32 issues four tile products on four loads.
-#pragma GCC target("amx-tile,amx-bf16,avx512f")
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -84,7 +85,145 @@ inline void block(int64_t K, const bf16_t* A, int64_t lda, const bf16_t* B, int6
   if constexpr (TwoM && TwoN) _tile_stored(3, C1 + 16, c_stride);
 }
 
+// --- linear layers: out = x . W^T + bias, W in pack_linear_weight_dpbf16's layout
+
+__mmask16 first16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
+                 : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1u);
+}
+__mmask32 first32(int64_t n) {
+  return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << std::max<int64_t>(n, 0)) - 1u);
+}
+
+// One row block (16 or 32 rows: TwoM) times one or two panels (TwoN) over every K step,
+// into the 32 x 32 fp32 buffer C. The full steps read their B tiles where they lie; the
+// last, partial one (k_pairs not a multiple of 16) reads the zero-padded copies in tail.
+// The weight's tiles are read once per call, from L3 or memory: the first row block of a
+// panel pair prefetches them this many K steps (4 KiB a panel) ahead.
+constexpr int64_t kPrefetchSteps = 4;
+
+template <bool TwoM, bool TwoN>
+inline void linear_block(int64_t full_steps, bool has_tail, const bf16_t* A, int64_t lda,
+                         const bf16_t* B0, const bf16_t* B1, const bf16_t* tail, float* C,
+                         bool prefetch) {
+  const int64_t a_stride = lda * 2;
+  const bf16_t* A1 = A + 16 * lda;
+  _tile_zero(0);
+  if constexpr (TwoN) _tile_zero(1);
+  if constexpr (TwoM) _tile_zero(2);
+  if constexpr (TwoM && TwoN) _tile_zero(3);
+  const auto step = [&](int64_t s, const bf16_t* b0, const bf16_t* b1) {
+    _tile_loadd(4, A + s * 32, a_stride);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (TwoN) {
+      _tile_loadd(7, b1, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (TwoM) {
+      _tile_loadd(5, A1 + s * 32, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (TwoN) _tile_dpbf16ps(3, 5, 7);
+    }
+  };
+  for (int64_t s = 0; s < full_steps; ++s) {
+    if (prefetch) {
+      const char* f0 = reinterpret_cast<const char*>(B0 + (s + kPrefetchSteps) * 512);
+      const char* f1 = reinterpret_cast<const char*>(B1 + (s + kPrefetchSteps) * 512);
+      for (int l = 0; l < 1024; l += 64) {
+        _mm_prefetch(f0 + l, _MM_HINT_T0);
+        if constexpr (TwoN) _mm_prefetch(f1 + l, _MM_HINT_T0);
+      }
+    }
+    step(s, B0 + s * 512, B1 + s * 512);
+  }
+  if (has_tail) step(full_steps, tail, tail + 512);
+  _tile_stored(0, C, 128);
+  if constexpr (TwoN) _tile_stored(1, C + 16, 128);
+  if constexpr (TwoM) _tile_stored(2, C + 512, 128);
+  if constexpr (TwoM && TwoN) _tile_stored(3, C + 528, 128);
+}
+
+// Rows [m_begin, m_end) of x as A tiles in bf16 (fp32 rounded to nearest even), ld
+// features a row, padded with zero features and with zero rows to a multiple of 16.
+void load_rows(const LinearDpParams& p, int64_t m_begin, int64_t m_end, int64_t ld,
+               bf16_t* dst) {
+  const int64_t rows = m_end - m_begin, padded = (rows + 15) / 16 * 16;
+  for (int64_t r = 0; r < padded; ++r) {
+    bf16_t* d = dst + r * ld;
+    if (r >= rows) {
+      std::memset(static_cast<void*>(d), 0, ld * sizeof(bf16_t));
+      continue;
+    }
+    if (p.x_dtype == DType::kBF16) {
+      const bf16_t* src = static_cast<const bf16_t*>(p.x) + (m_begin + r) * p.x_stride;
+      for (int64_t c = 0; c < ld; c += 32)
+        _mm512_storeu_si512(d + c, _mm512_maskz_loadu_epi16(first32(p.k - c), src + c));
+    } else {
+      const float* src = static_cast<const float*>(p.x) + (m_begin + r) * p.x_stride;
+      for (int64_t c = 0; c < ld; c += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first16(p.k - c), src + c)));
+    }
+  }
+}
+
+// C's rows [0, rows) and its first `panels` 16-column halves, plus the bias, to out at
+// (m, first panel's column).
+void store_block(const LinearDpParams& p, const float* C, int64_t m, int64_t rows,
+                 int64_t panel, int panels) {
+  for (int t = 0; t < panels; ++t) {
+    const int64_t col = (panel + t) * kLinearPanel;
+    const __mmask16 mask = first16(p.n - col);
+    const __m512 b = p.bias != nullptr ? _mm512_maskz_loadu_ps(mask, p.bias + col)
+                                       : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 y = _mm512_add_ps(_mm512_loadu_ps(C + r * 32 + t * 16), b);
+      if (p.out_dtype == DType::kBF16)
+        _mm256_mask_storeu_epi16(static_cast<bf16_t*>(p.out) + (m + r) * p.out_stride + col, mask,
+                                 (__m256i)_mm512_cvtneps_pbh(y));
+      else
+        _mm512_mask_storeu_ps(static_cast<float*>(p.out) + (m + r) * p.out_stride + col, mask, y);
+    }
+  }
+}
+
 }  // namespace
+
+int64_t amx_linear_row_stride(int64_t k_pairs) { return (k_pairs + 15) / 16 * 32; }
+
+void amx_linear_panels(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
+                       int64_t p_begin, int64_t p_end, bf16_t* rows) {
+  const int64_t ld = amx_linear_row_stride(p.k_pairs);
+  const int64_t full_steps = p.k_pairs / 16, tail_pairs = p.k_pairs % 16;
+  const int64_t panel_elems = p.k_pairs * 32;
+  alignas(64) bf16_t tail[2 * 512];
+  alignas(64) float C[32 * 32];
+  load_rows(p, m_begin, m_end, ld, rows);
+  asm volatile("" ::: "memory");
+  for (int64_t pn = p_begin; pn < p_end; pn += 2) {
+    const bool two_n = pn + 1 < p_end;
+    const bf16_t* B0 = p.weight + pn * panel_elems;
+    const bf16_t* B1 = two_n ? B0 + panel_elems : B0;
+    if (tail_pairs) {
+      std::memset(static_cast<void*>(tail), 0, sizeof(tail));
+      std::memcpy(static_cast<void*>(tail), B0 + full_steps * 512, tail_pairs * 64);
+      if (two_n) std::memcpy(static_cast<void*>(tail + 512), B1 + full_steps * 512, tail_pairs * 64);
+    }
+    for (int64_t m = m_begin; m < m_end; m += 32) {
+      const int64_t rows_here = std::min<int64_t>(32, m_end - m);
+      const bf16_t* A = rows + (m - m_begin) * ld;
+      const bool two_m = rows_here > 16;
+      asm volatile("" ::: "memory");
+      if (two_m && two_n) linear_block<true, true>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
+      else if (two_m) linear_block<true, false>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
+      else if (two_n) linear_block<false, true>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
+      else linear_block<false, false>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
+      asm volatile("" ::: "memory");
+      store_block(p, C, m, rows_here, pn, two_n ? 2 : 1);
+    }
+  }
+}
 
 bool amx_tiles_permitted() {
   if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;

@@ -19,4 +19,20 @@ void amx_release_tiles();
 void amx_gemm_bf16_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
                         bool add, const bf16_t* A, const bf16_t* B, float* C);
 
+// Linear layers on the tiles (packed_linear_amx): rows [m_begin, m_end) of
+// out = x . W^T + bias for W's panels [p_begin, p_end), in pack_linear_weight_dpbf16's
+// layout (LinearDpParams), whose 16-column panels are B tiles as they lie: 16 of a panel's
+// 64-byte k-pair rows are one tile. rows: the caller's buffer of
+// round_up(m_end - m_begin, 16) x amx_linear_row_stride(k_pairs) bf16 for x's rows in
+// A-tile form. Tiles configured (amx_configure_tiles) by the caller.
+// matrix_engine.cpp keeps the thread's tile state, shared with brgemm: whether this
+// process may use the tiles, and the calling thread's tiles in our configuration (brgemm
+// told to forget its own) until release_own_tiles().
+bool own_tiles_permitted();
+void acquire_own_tiles();
+void release_own_tiles();
+int64_t amx_linear_row_stride(int64_t k_pairs);
+void amx_linear_panels(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
+                       int64_t p_begin, int64_t p_end, bf16_t* rows);
+
 }  // namespace pagedattn

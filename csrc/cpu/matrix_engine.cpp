@@ -213,6 +213,23 @@ void matrix_engine_release() {
   release_thread_tiles();
 }
 
+bool own_tiles_permitted() {
+  static const bool permitted = [] {
+    matrix_engine();  // brgemm's bf16 probe first: g_bf16_brgemm
+    return amx_tiles_permitted();
+  }();
+  return permitted;
+}
+
+void acquire_own_tiles() {
+  if (t_own_tiles_configured) return;
+  at::native::cpublas::brgemm_release(g_bf16_brgemm);
+  amx_configure_tiles();
+  t_own_tiles_configured = true;
+}
+
+void release_own_tiles() { release_thread_tiles(); }
+
 static bool matrix_engine_available_op() { return matrix_engine() != nullptr; }
 
 // Whether bf16 items run their GEMMs in bf16 (oneDNN's VNNI microkernel, or the reference

@@ -10,6 +10,9 @@ bf16 GEMM (what vLLM and transformers run there; the loader decides). The output
   weight at memory speed (decode rows).
 * ``dpbf16``: :func:`pagedattn.ops.packed_linear_dpbf16`, bf16 activations and weights on
   ``vdpbf16ps``. bf16 weights and the ``avx512bf16`` kernels only.
+* ``amx``: :func:`pagedattn.ops.packed_linear_amx`, the same operands and packed weight on
+  AMX tiles (a CPU with AMX-BF16): batches of rows, where ``dpbf16``'s vector dot products
+  run out of registers and oneDNN's per-call set-up is a large part of a small GEMM.
 * ``torch``: ``F.linear`` in the weight dtype: bf16/fp16 activations into oneDNN's GEMM
   (AMX or ``vdpbf16ps`` where torch has a native half GEMM), or fp32 into MKL.
 * ``onednn``: the same GEMM on a weight reordered once, at load, into oneDNN's blocked
@@ -54,6 +57,7 @@ FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
 class LinearPath(str, enum.Enum):
     PACKED = "packed"
     DPBF16 = "dpbf16"
+    AMX = "amx"
     TORCH = "torch"
     ONEDNN = "onednn"
 
@@ -102,13 +106,19 @@ torch_half_gemm = onednn.native_half_gemm
 def unavailable_reasons(path: LinearPath, weight_dtype: torch.dtype) -> list[str]:
     """Why ``path`` cannot run layers with ``weight_dtype`` weights here (empty: it can)."""
     reasons = []
-    if path in (LinearPath.PACKED, LinearPath.DPBF16) and not ops.native_available():
+    if path in (LinearPath.PACKED, LinearPath.DPBF16, LinearPath.AMX) \
+            and not ops.native_available():
         reasons.append("needs the native extension pagedattn._C")
     if path is LinearPath.DPBF16:
         if weight_dtype != torch.bfloat16:
             reasons.append(f"takes bfloat16 weights only, got {weight_dtype}")
         if ops.native_available() and not ops.dpbf16_linear_available():
             reasons.append(f"needs the avx512bf16 kernels, in use: {ops.get_cpu_isa().value}")
+    if path is LinearPath.AMX:
+        if weight_dtype != torch.bfloat16:
+            reasons.append(f"takes bfloat16 weights only, got {weight_dtype}")
+        if ops.native_available() and not ops.amx_linear_available():
+            reasons.append("needs AMX-BF16 tiles (this CPU or kernel has none)")
     if path in (LinearPath.TORCH, LinearPath.ONEDNN) and weight_dtype != torch.float32 \
             and not torch_half_gemm(weight_dtype):
         reasons.append(f"torch has no native {weight_dtype} GEMM on this CPU (emulated, slow)")
@@ -142,7 +152,8 @@ class MeasuredLinear(nn.Module):
     """A linear layer that runs, per row count, the path chosen for its bucket
     (:meth:`set_choices`). It takes ``act_dtype`` activations (others are cast) and returns
     ``out_dtype`` (default ``act_dtype``). It holds the weight in the form each of its
-    paths needs (``packed_weight`` / ``dp_weight`` / ``weight``) and drops the unused ones
+    paths needs (``packed_weight`` / ``dp_weight``, which ``dpbf16`` and ``amx`` share /
+    ``weight``) and drops the unused ones
     once the choices are set. Bias: float32, added in fp32."""
 
     def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype,
@@ -164,7 +175,7 @@ class MeasuredLinear(nn.Module):
         self.register_buffer("packed_weight", ops.pack_linear_weight(w, weight_dtype)
                              if LinearPath.PACKED in paths else None)
         self.register_buffer("dp_weight", ops.pack_linear_weight_dpbf16(w)
-                             if LinearPath.DPBF16 in paths else None)
+                             if {LinearPath.DPBF16, LinearPath.AMX} & set(paths) else None)
         self.register_buffer("weight", w.to(weight_dtype).contiguous()
                              if LinearPath.TORCH in paths else None)
         # An opaque oneDNN tensor: a plain attribute, not a buffer (state_dict, .to() and
@@ -185,7 +196,8 @@ class MeasuredLinear(nn.Module):
 
     def runner(self, path: LinearPath) -> Callable[[torch.Tensor], torch.Tensor]:
         return {LinearPath.PACKED: self._packed, LinearPath.DPBF16: self._dpbf16,
-                LinearPath.TORCH: self._torch, LinearPath.ONEDNN: self._onednn}[path]
+                LinearPath.AMX: self._amx, LinearPath.TORCH: self._torch,
+                LinearPath.ONEDNN: self._onednn}[path]
 
     def set_choices(self, choices: list[LinearPath]) -> None:
         """One path per :data:`ROW_BUCKETS` entry; weights no chosen path reads are freed."""
@@ -206,14 +218,16 @@ class MeasuredLinear(nn.Module):
     def weight_for(self, path: LinearPath) -> torch.Tensor:
         """The weight, in the form ``path`` reads (only the chosen paths' are kept)."""
         return {LinearPath.PACKED: self.packed_weight, LinearPath.DPBF16: self.dp_weight,
-                LinearPath.TORCH: self.weight, LinearPath.ONEDNN: self.onednn_weight}[path]
+                LinearPath.AMX: self.dp_weight, LinearPath.TORCH: self.weight,
+                LinearPath.ONEDNN: self.onednn_weight}[path]
 
     def release_unused(self) -> None:
         used = set(self.choices)
         self.paths = [p for p in self.paths if p in used]
-        for path, name in ((LinearPath.PACKED, "packed_weight"), (LinearPath.DPBF16, "dp_weight"),
-                           (LinearPath.TORCH, "weight"), (LinearPath.ONEDNN, "onednn_weight")):
-            if path not in used:
+        for paths, name in (({LinearPath.PACKED}, "packed_weight"),
+                            ({LinearPath.DPBF16, LinearPath.AMX}, "dp_weight"),
+                            ({LinearPath.TORCH}, "weight"), ({LinearPath.ONEDNN}, "onednn_weight")):
+            if not paths & used:
                 setattr(self, name, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,6 +258,10 @@ class MeasuredLinear(nn.Module):
     def _dpbf16(self, x: torch.Tensor) -> torch.Tensor:
         return ops.packed_linear_dpbf16(x, self.dp_weight, self.bias, self.out_features,
                                         self.out_dtype)
+
+    def _amx(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.packed_linear_amx(x, self.dp_weight, self.bias, self.out_features,
+                                     self.out_dtype)
 
     def _half_gemm_out(self, out: torch.Tensor) -> torch.Tensor:
         """A half-precision GEMM's output, with the fp32 bias, in ``out_dtype``."""

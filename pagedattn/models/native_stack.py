@@ -27,7 +27,7 @@ from pagedattn.models.layers import PackedLinear, fusable
 from pagedattn.models.linear_paths import LinearPath, MeasuredLinear
 
 PATH_CODES = {LinearPath.PACKED: 0, LinearPath.DPBF16: 1, LinearPath.TORCH: 2,
-              LinearPath.ONEDNN: 3}
+              LinearPath.ONEDNN: 3, LinearPath.AMX: 5}
 PACKED_GATED = 4
 """The packed path's fused gate/up projection and activation (``ops.packed_gated_linear``)."""
 

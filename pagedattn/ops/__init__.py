@@ -53,6 +53,7 @@ __all__ = [
     "LINEAR_PANEL", "PACKED_LINEAR_DTYPES", "pack_linear_weight", "packed_linear",
     "GATED_ACTIVATIONS", "packed_gated_linear",
     "dpbf16_linear_available", "pack_linear_weight_dpbf16", "packed_linear_dpbf16",
+    "amx_linear_available", "packed_linear_amx",
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
     "stream_read",
 ]
@@ -532,6 +533,27 @@ def packed_linear_dpbf16(x: torch.Tensor, packed_weight: torch.Tensor,
     if not native_available():
         _require_native("packed_linear_dpbf16")
     return torch.ops.pagedattn.packed_linear_dpbf16(x, packed_weight, bias, n, out_dtype)
+
+
+def amx_linear_available() -> bool:
+    """Whether :func:`packed_linear_amx` runs here: the native extension on a CPU with
+    AMX-BF16 whose tiles Linux grants this process."""
+    return native_available() and bool(torch.ops.pagedattn.amx_linear_available())
+
+
+def packed_linear_amx(x: torch.Tensor, packed_weight: torch.Tensor,
+                      bias: torch.Tensor | None, out_features: int,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`packed_linear_dpbf16`'s product (same arguments, same packed weight) on AMX
+    tiles: each 16-column panel of the weight is read in place as the tiles' B operand,
+    against 32 rows of ``x`` at a time. Products of the bf16 operands are exact and summed
+    in fp32, in the tile unit's order. For batches of rows (decode steps of many
+    requests); one row wastes 15 of a tile's 16. Raises NotImplementedError unless
+    :func:`amx_linear_available`."""
+    n = _int64("out_features", out_features)
+    if not native_available():
+        _require_native("packed_linear_amx")
+    return torch.ops.pagedattn.packed_linear_amx(x, packed_weight, bias, n, out_dtype)
 
 
 # ------------------------------------------------------------------ layer steps
