@@ -1,4 +1,4 @@
-"""Every linear path (packed, dpbf16, torch) side by side per layer shape and row count.
+"""Every linear path (packed, dpbf16, amx, torch, onednn: those that run here) side by side per layer shape and row count.
 
 Examples::
 
