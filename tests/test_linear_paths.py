@@ -306,6 +306,76 @@ def test_packed_linear_amx_rows_and_depths(rows, k):
         assert (err <= bound).all(), (out_dtype, float((err - bound).max()))
 
 
+def gated_reference(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of a float64 [rows, 2 d] projection (transformers' forms)."""
+    g, u = h.chunk(2, dim=1)
+    if activation == "silu":
+        return g * torch.sigmoid(g) * u
+    return 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3))) * u
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows", [1, 17, 70])
+@pytest.mark.parametrize("k", [31, 64, 0])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_packed_gated_linear_amx(activation, rows, k, with_bias):
+    """The gated form against float64, and bit for bit against its two steps: the plain
+    op's fp32 sums, then the activation op (one rounding to bf16 at the end)."""
+    linear, _ = bf16_op("amx")
+    d = 48  # three panels a half: gate panel j runs beside up panel 3 + j
+    gen = torch.Generator().manual_seed(rows * 100 + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(2 * d, k, generator=gen).bfloat16()
+    bias = torch.randn(2 * d, generator=gen) if with_bias else None
+    packed = ops.pack_linear_weight_dpbf16(w)
+    fused = ops.packed_gated_linear_amx(x, packed, bias, 2 * d, activation)
+    assert fused.shape == (rows, d) and fused.dtype == torch.float32
+    act_and_mul = ops.silu_and_mul if activation == "silu" else ops.gelu_tanh_and_mul
+    two_steps = act_and_mul(linear(x, packed, bias, 2 * d))
+    torch.testing.assert_close(fused, two_steps, rtol=0, atol=0)
+    torch.testing.assert_close(
+        ops.packed_gated_linear_amx(x, packed, bias, 2 * d, activation, torch.bfloat16),
+        two_steps.bfloat16(), rtol=0, atol=0)
+    h = x.double() @ w.double().T + (bias.double() if with_bias else 0)
+    torch.testing.assert_close(fused.double(), gated_reference(h, activation),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("odd_half", ValueError, r"out_features \(gate and up, 40\) must be a multiple of 32"),
+    ("activation", ValueError, "activation must be 'silu' or 'gelu_tanh', got 'relu'"),
+    ("k_mismatch", ValueError, "x has 10 features but packed_weight has 4 pairs"),
+])
+def test_packed_gated_linear_amx_rejects(case, exc, match):
+    bf16_op("amx")
+    x, n, activation = torch.randn(3, 8), 64, "silu"
+    packed = ops.pack_linear_weight_dpbf16(torch.randn(64, 8))
+    if case == "odd_half":
+        n, packed = 40, ops.pack_linear_weight_dpbf16(torch.randn(40, 8))
+    elif case == "activation":
+        activation = "relu"
+    elif case == "k_mismatch":
+        x = torch.randn(3, 10)
+    with pytest.raises(exc, match=match):
+        ops.packed_gated_linear_amx(x, packed, None, n, activation)
+
+
+def test_packed_gated_linear_amx_opcheck_and_layer():
+    bf16_op("amx")
+    x, w, bias = torch.randn(5, 23), torch.randn(64, 23), torch.randn(64)
+    packed = ops.pack_linear_weight_dpbf16(w)
+    torch.library.opcheck(torch.ops.pagedattn.packed_gated_linear_amx,
+                          (x.bfloat16(), packed, bias, 64, "gelu_tanh", torch.bfloat16))
+    # MeasuredLinear.gated takes the fused op on the amx path
+    linear = make_layer(64, 23, True)
+    layer = MeasuredLinear(linear, torch.bfloat16, [LinearPath.AMX], torch.bfloat16)
+    xb = x.bfloat16()
+    torch.testing.assert_close(
+        layer.gated(xb, "silu", ops.silu_and_mul),
+        ops.packed_gated_linear_amx(xb, layer.dp_weight, layer.bias, 64, "silu", torch.bfloat16),
+        rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ choosing and caching
 
 

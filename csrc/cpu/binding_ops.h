@@ -30,6 +30,10 @@ at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_we
 at::Tensor packed_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
                              const std::optional<at::Tensor>& bias, int64_t out_features,
                              std::optional<at::ScalarType> out_dtype);
+at::Tensor packed_gated_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
+                                   const std::optional<at::Tensor>& bias, int64_t out_features,
+                                   c10::string_view activation,
+                                   std::optional<at::ScalarType> out_dtype);
 
 // cache_ops.cpp, attention_ops.cpp
 void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,

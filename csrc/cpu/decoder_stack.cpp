@@ -31,8 +31,9 @@ enum class LinearPath : int64_t {
   kOnednn = 3,
   kPackedGated = 4,
   kAmx = 5,
+  kAmxGated = 6,
 };
-constexpr int64_t kLinearPaths = 6;
+constexpr int64_t kLinearPaths = 7;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 
 // The layer shapes: Llama's (input and post-attention norms, SiLU) and Gemma 3's (norms on
@@ -100,6 +101,8 @@ at::Tensor run_linear(const LinearLayer& l, at::Tensor x, at::ScalarType act_dty
     case LinearPath::kPackedGated:
       return packed_gated_linear(x.to(at::kFloat), w, l.bias, l.out_features, style.activation)
           .to(act_dtype);
+    case LinearPath::kAmxGated:
+      return packed_gated_linear_amx(x, w, l.bias, l.out_features, style.activation, act_dtype);
   }
   TORCH_CHECK(false, "unreachable linear path");
 }
@@ -108,7 +111,8 @@ at::Tensor run_linear(const LinearLayer& l, at::Tensor x, at::ScalarType act_dty
 // path, then the activation.
 at::Tensor gated_mlp(const LinearLayer& l, const at::Tensor& x, at::ScalarType act_dtype,
                      const Style& style) {
-  if (l.path == LinearPath::kPackedGated) return run_linear(l, x, act_dtype, style);
+  if (l.path == LinearPath::kPackedGated || l.path == LinearPath::kAmxGated)
+    return run_linear(l, x, act_dtype, style);
   return style.act_and_mul(run_linear(l, x, act_dtype, style));
 }
 
@@ -156,8 +160,9 @@ at::Tensor decoder_stack(
                       kLinearPaths, ")");
     TORCH_CHECK_VALUE(linear_weights.get(i).has_value(), "linear_weights[", i,
                       "] is None: its path reads a weight");
-    TORCH_CHECK_VALUE(linear_paths[i] != static_cast<int64_t>(LinearPath::kPackedGated) ||
-                          i % kLinearsPerLayer == 2,
+    const bool fused = linear_paths[i] == static_cast<int64_t>(LinearPath::kPackedGated) ||
+                       linear_paths[i] == static_cast<int64_t>(LinearPath::kAmxGated);
+    TORCH_CHECK_VALUE(!fused || i % kLinearsPerLayer == 2,
                       "linear_paths[", i, "]: only the gate/up projection takes the fused path");
   }
   TORCH_CHECK_TYPE(act_dtype == at::kFloat || act_dtype == at::kBFloat16,

@@ -260,6 +260,12 @@ struct KernelTable {
   void (*act_mul_rows)(GatedActivation act, const void* x, int64_t x_stride, void* out,
                        int64_t out_stride, int64_t row_begin, int64_t row_end, int64_t d,
                        DType dtype) = nullptr;
+  // out[r, i] = act(gate[r, i]) * up[r, i] for rows [0, rows), i < n: gate and up fp32 with
+  // row stride `stride`, out of out_dtype (kF32 or kBF16) with row stride out_stride
+  // (packed_gated_linear_amx's epilogue, on its accumulators).
+  void (*act_mul_f32_rows)(GatedActivation act, const float* gate, const float* up,
+                           int64_t stride, int64_t rows, int64_t n, void* out,
+                           int64_t out_stride, DType out_dtype) = nullptr;
   // Sum of the bytes p[0, n) mod 2^64, read with the ISA's widest loads (stream_read_impl.h):
   // the stream_read op, the bench's DRAM roof.
   uint64_t (*sum_bytes)(const uint8_t* p, int64_t n) = nullptr;

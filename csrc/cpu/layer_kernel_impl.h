@@ -121,6 +121,30 @@ void act_mul_rows_entry(GatedActivation act, const void* x, int64_t x_stride, vo
                          out_stride, row_begin, row_end, d);
 }
 
+template <class VT, class T>
+void act_mul_f32_rows_typed(GatedActivation act, const float* gate, const float* up,
+                            int64_t stride, int64_t rows, int64_t n, T* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate + r * stride;
+    const float* u = up + r * stride;
+    T* o = out + r * out_stride;
+    int64_t i = 0;
+    for (; i + VT::W <= n; i += VT::W)
+      store_f32<VT>(o + i, gated_product<VT>(act, VT::load(g + i), VT::load(u + i)));
+    for (; i < n; ++i) scalar_store(o + i, gated_product<VecScalar>(act, g[i], u[i]));
+  }
+}
+
+template <class VT>
+void act_mul_f32_rows_entry(GatedActivation act, const float* gate, const float* up,
+                            int64_t stride, int64_t rows, int64_t n, void* out,
+                            int64_t out_stride, DType out_dtype) {
+  if (out_dtype == DType::kBF16)
+    return act_mul_f32_rows_typed<VT>(act, gate, up, stride, rows, n, static_cast<bf16_t*>(out),
+                                      out_stride);
+  act_mul_f32_rows_typed<VT>(act, gate, up, stride, rows, n, static_cast<float*>(out), out_stride);
+}
+
 // A gated MLP's projection and activation in one pass: out[m, j] = act(x . W[j]) *
 // (x . W[d + j]) for j < d, over a packed [2d, k] weight (gate panels [0, d/16), up panels
 // [d/16, 2d/16); d a multiple of 16). Each row tile computes its gate and up tiles into
@@ -187,5 +211,6 @@ KernelTable with_model_kernels(KernelTable table) {
   table.gated_linear_block = &gated_linear_block_entry<VT>;
   table.rms_norm_rows = &rms_norm_rows_entry<VT>;
   table.act_mul_rows = &act_mul_rows_entry<VT>;
+  table.act_mul_f32_rows = &act_mul_f32_rows_entry<VT>;
   return table;
 }

@@ -145,7 +145,7 @@ struct DpCall {
 };
 DpCall checked_dp_call(const at::Tensor& x, const at::Tensor& packed_weight,
                        const std::optional<at::Tensor>& bias, int64_t out_features,
-                       std::optional<at::ScalarType> out_dtype) {
+                       std::optional<at::ScalarType> out_dtype, bool gated = false) {
   check_cpu(x, "x");
   const DType x_dtype = activation_dtype(x.scalar_type(), "x");
   const at::ScalarType out_type = out_dtype.value_or(at::kFloat);
@@ -165,10 +165,15 @@ DpCall checked_dp_call(const at::Tensor& x, const at::Tensor& packed_weight,
                     k_pairs, " pairs of them (", 2 * k_pairs - 1, " or ", 2 * k_pairs,
                     " features)");
   check_panels(out_features, panels);
+  if (gated)
+    TORCH_CHECK_VALUE(out_features % (2 * kLinearPanel) == 0, "out_features (gate and up, ",
+                      out_features, ") must be a multiple of ", 2 * kLinearPanel,
+                      ": each half a whole number of ", kLinearPanel, "-column panels");
   DpCall call;
   call.bias = checked_bias(bias, out_features);
   call.x = x.stride(1) == 1 ? x : x.contiguous();
-  call.out = at::empty({x.size(0), out_features}, x.options().dtype(out_type));
+  call.out = at::empty({x.size(0), gated ? out_features / 2 : out_features},
+                       x.options().dtype(out_type));
   call.panels = panels;
   call.p = LinearDpParams{call.x.data_ptr(), call.x.stride(0),
                           reinterpret_cast<const bf16_t*>(packed_weight.data_ptr()),
@@ -178,12 +183,21 @@ DpCall checked_dp_call(const at::Tensor& x, const at::Tensor& packed_weight,
   return call;
 }
 
-// An empty x, or one without features (the output is the bias); false: the call has work.
-bool done_without_work(DpCall& call) {
+// An empty x, or one without features (the product is the bias); false: the call has work.
+bool done_without_work(DpCall& call, const AmxGatedEpilogue* gated = nullptr) {
   if (call.p.m == 0) return true;
   if (call.p.k != 0) return false;
-  if (call.bias.defined()) call.out.copy_(call.bias.expand({call.p.m, call.p.n}));
-  else call.out.zero_();
+  if (gated == nullptr) {
+    if (call.bias.defined()) call.out.copy_(call.bias.expand({call.p.m, call.p.n}));
+    else call.out.zero_();
+    return true;
+  }
+  const int64_t d = call.p.n / 2;
+  at::Tensor sums = call.bias.defined() ? call.bias.view({1, 2 * d}).expand({call.p.m, 2 * d}).contiguous()
+                                        : at::zeros({call.p.m, 2 * d}, at::kFloat);
+  const float* g = sums.data_ptr<float>();
+  gated->act_mul(gated->act, g, g + d, 2 * d, call.p.m, d, call.out.data_ptr(), call.out.stride(0),
+                 call.p.out_dtype);
   return true;
 }
 }  // namespace
@@ -221,34 +235,64 @@ bool amx_linear_available() {
   return current_cpu_isa() == CpuIsa::kAvx512bf16 && own_tiles_permitted();
 }
 
+at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
+                          const std::optional<at::Tensor>& bias, int64_t out_features,
+                          std::optional<at::ScalarType> out_dtype,
+                          std::optional<GatedActivation> activation);
+
 // The same product on AMX tiles (matrix_amx.cpp): the weight's panels are read in place
 // as B tiles, two at a time, against 32 rows of x at a time.
 at::Tensor packed_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
                              const std::optional<at::Tensor>& bias, int64_t out_features,
                              std::optional<at::ScalarType> out_dtype) {
-  DpCall call = checked_dp_call(x, packed_weight, bias, out_features, out_dtype);
-  TORCH_CHECK_NOT_IMPLEMENTED(amx_linear_available(),
-                              "packed_linear_amx needs AMX-BF16 tiles that this process may "
-                              "use (a CPU with amx_bf16 and a Linux that grants them)");
-  if (done_without_work(call)) return call.out;
+  return run_linear_amx(x, packed_weight, bias, out_features, out_dtype, std::nullopt);
+}
+
+// packed_linear_amx, or, with an activation, a gated MLP's act(gate) * up from its
+// gate/up projection, the activation applied to the tiles' fp32 sums.
+at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
+                          const std::optional<at::Tensor>& bias, int64_t out_features,
+                          std::optional<at::ScalarType> out_dtype,
+                          std::optional<GatedActivation> activation) {
+  const char* name = activation ? "packed_gated_linear_amx" : "packed_linear_amx";
+  DpCall call = checked_dp_call(x, packed_weight, bias, out_features, out_dtype,
+                                activation.has_value());
+  TORCH_CHECK_NOT_IMPLEMENTED(amx_linear_available(), name,
+                              " needs AMX-BF16 tiles that this process may use (a CPU with "
+                              "amx_bf16, a Linux that grants them, the avx512bf16 kernels)");
+  std::optional<AmxGatedEpilogue> gated;
+  if (activation)
+    gated = AmxGatedEpilogue{*activation, current_kernels()->act_mul_f32_rows,
+                             call.panels / 2};
+  const AmxGatedEpilogue* epilogue = gated ? &*gated : nullptr;
+  if (done_without_work(call, epilogue)) return call.out;
   const LinearDpParams& p = call.p;
-  const int64_t m = p.m, pairs = (call.panels + 1) / 2;
+  // Work units: pairs of panels, or gate panels (each beside its up panel).
+  const int64_t m = p.m, units = gated ? call.panels / 2 : (call.panels + 1) / 2;
   // Rows per chunk: a chunk's A tiles (64 x up to 2 KiB a row) stay in L2 while its
   // panels stream past.
   constexpr int64_t kAmxRowChunk = 64;
   const int64_t ld = amx_linear_row_stride(p.k_pairs);
   const int64_t grain = std::max<int64_t>(
       1, kMinChunkMacs / (std::min(m, kAmxRowChunk) * std::max<int64_t>(p.k, 1) * 2 * kLinearPanel));
-  at::parallel_for(0, pairs, grain, [&](int64_t qb, int64_t qe) {
+  at::parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {
     thread_local std::vector<bf16_t> rows;
     rows.resize(std::max<size_t>(rows.size(), (std::min(m, kAmxRowChunk) + 15) / 16 * 16 * ld));
-    const int64_t pb = 2 * qb, pe = std::min(call.panels, 2 * qe);
+    const int64_t pb = gated ? ub : 2 * ub, pe = gated ? ue : std::min(call.panels, 2 * ue);
     acquire_own_tiles();
     for (int64_t mb = 0; mb < m; mb += kAmxRowChunk)
-      amx_linear_panels(p, mb, std::min(m, mb + kAmxRowChunk), pb, pe, rows.data());
+      amx_linear_panels(p, mb, std::min(m, mb + kAmxRowChunk), pb, pe, rows.data(), epilogue);
     release_own_tiles();
   });
   return call.out;
+}
+
+at::Tensor packed_gated_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
+                                   const std::optional<at::Tensor>& bias, int64_t out_features,
+                                   c10::string_view activation,
+                                   std::optional<at::ScalarType> out_dtype) {
+  return run_linear_amx(x, packed_weight, bias, out_features, out_dtype,
+                        gated_activation(activation));
 }
 
 }  // namespace pagedattn
@@ -261,6 +305,8 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
         "ScalarType? out_dtype=None) -> Tensor");
   m.def("packed_linear_amx(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, "
         "ScalarType? out_dtype=None) -> Tensor");
+  m.def("packed_gated_linear_amx(Tensor x, Tensor packed_weight, Tensor? bias, "
+        "int out_features, str activation, ScalarType? out_dtype=None) -> Tensor");
   m.def("amx_linear_available() -> bool", &pagedattn::amx_linear_available);
 }
 
@@ -269,4 +315,5 @@ TORCH_LIBRARY_IMPL(pagedattn, CPU, m) {
   m.impl("packed_gated_linear", &pagedattn::packed_gated_linear);
   m.impl("packed_linear_dpbf16", &pagedattn::packed_linear_dpbf16);
   m.impl("packed_linear_amx", &pagedattn::packed_linear_amx);
+  m.impl("packed_gated_linear_amx", &pagedattn::packed_gated_linear_amx);
 }

@@ -188,12 +188,30 @@ void store_block(const LinearDpParams& p, const float* C, int64_t m, int64_t row
   }
 }
 
+// The gated form's epilogue: the block's gate and up halves (C's two tiles) plus their
+// biases, then act(gate) * up to out at (m, the gate panel's column).
+void store_gated(const LinearDpParams& p, const AmxGatedEpilogue& g, float* C, int64_t m,
+                 int64_t rows, int64_t panel) {
+  if (p.bias != nullptr) {
+    const __m512 bg = _mm512_loadu_ps(p.bias + panel * kLinearPanel);
+    const __m512 bu = _mm512_loadu_ps(p.bias + (panel + g.up_panels) * kLinearPanel);
+    for (int64_t r = 0; r < rows; ++r) {
+      _mm512_storeu_ps(C + r * 32, _mm512_add_ps(_mm512_loadu_ps(C + r * 32), bg));
+      _mm512_storeu_ps(C + r * 32 + 16, _mm512_add_ps(_mm512_loadu_ps(C + r * 32 + 16), bu));
+    }
+  }
+  const int64_t elem = p.out_dtype == DType::kBF16 ? 2 : 4;
+  char* out = static_cast<char*>(p.out) + (m * p.out_stride + panel * kLinearPanel) * elem;
+  g.act_mul(g.act, C, C + 16, 32, rows, kLinearPanel, out, p.out_stride, p.out_dtype);
+}
+
 }  // namespace
 
 int64_t amx_linear_row_stride(int64_t k_pairs) { return (k_pairs + 15) / 16 * 32; }
 
 void amx_linear_panels(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
-                       int64_t p_begin, int64_t p_end, bf16_t* rows) {
+                       int64_t p_begin, int64_t p_end, bf16_t* rows,
+                       const AmxGatedEpilogue* gated) {
   const int64_t ld = amx_linear_row_stride(p.k_pairs);
   const int64_t full_steps = p.k_pairs / 16, tail_pairs = p.k_pairs % 16;
   const int64_t panel_elems = p.k_pairs * 32;
@@ -201,10 +219,12 @@ void amx_linear_panels(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
   alignas(64) float C[32 * 32];
   load_rows(p, m_begin, m_end, ld, rows);
   asm volatile("" ::: "memory");
-  for (int64_t pn = p_begin; pn < p_end; pn += 2) {
-    const bool two_n = pn + 1 < p_end;
+  // Plain: panels pn and pn + 1 side by side. Gated: gate panel pn beside its up panel.
+  for (int64_t pn = p_begin; pn < p_end; pn += gated ? 1 : 2) {
+    const bool two_n = gated != nullptr || pn + 1 < p_end;
     const bf16_t* B0 = p.weight + pn * panel_elems;
-    const bf16_t* B1 = two_n ? B0 + panel_elems : B0;
+    const bf16_t* B1 = gated ? p.weight + (pn + gated->up_panels) * panel_elems
+                             : (two_n ? B0 + panel_elems : B0);
     if (tail_pairs) {
       std::memset(static_cast<void*>(tail), 0, sizeof(tail));
       std::memcpy(static_cast<void*>(tail), B0 + full_steps * 512, tail_pairs * 64);
@@ -220,7 +240,8 @@ void amx_linear_panels(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
       else if (two_n) linear_block<false, true>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
       else linear_block<false, false>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
       asm volatile("" ::: "memory");
-      store_block(p, C, m, rows_here, pn, two_n ? 2 : 1);
+      if (gated) store_gated(p, *gated, C, m, rows_here, pn);
+      else store_block(p, C, m, rows_here, pn, two_n ? 2 : 1);
     }
   }
 }

@@ -31,8 +31,18 @@ void amx_gemm_bf16_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ld
 bool own_tiles_permitted();
 void acquire_own_tiles();
 void release_own_tiles();
+// With gated: a gated MLP's gate/up projection (p.n = 2d columns, gate panels then up
+// panels) whose output is act(gate) * up, [m, d] at p.out: p_begin, p_end count gate
+// panels, each run beside its up panel, and the accumulators go through act_mul.
+struct AmxGatedEpilogue {
+  GatedActivation act;
+  void (*act_mul)(GatedActivation act, const float* gate, const float* up, int64_t stride,
+                  int64_t rows, int64_t n, void* out, int64_t out_stride, DType out_dtype);
+  int64_t up_panels;  // d / 16: the first up panel
+};
 int64_t amx_linear_row_stride(int64_t k_pairs);
 void amx_linear_panels(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
-                       int64_t p_begin, int64_t p_end, bf16_t* rows);
+                       int64_t p_begin, int64_t p_end, bf16_t* rows,
+                       const AmxGatedEpilogue* gated = nullptr);
 
 }  // namespace pagedattn

@@ -244,9 +244,13 @@ class MeasuredLinear(nn.Module):
               act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``act(gate) * up`` of this gate/up projection (see
         :func:`pagedattn.models.layers.gated_projection`): in one kernel when these rows
-        run on the packed path, else the chosen path, then ``act_and_mul``."""
-        if self._runner_for(x.shape[0]) != self._packed or not fusable(x, self.out_features):
+        run on the packed or the amx path, else the chosen path, then ``act_and_mul``."""
+        runner = self._runner_for(x.shape[0])
+        if runner not in (self._packed, self._amx) or not fusable(x, self.out_features):
             return act_and_mul(self.forward(x))
+        if runner == self._amx:
+            return ops.packed_gated_linear_amx(x.to(self.act_dtype), self.dp_weight, self.bias,
+                                               self.out_features, activation, self.out_dtype)
         out = ops.packed_gated_linear(x.float(), self.packed_weight, self.bias,
                                       self.out_features, activation)
         return out.to(self.out_dtype)

@@ -30,6 +30,8 @@ PATH_CODES = {LinearPath.PACKED: 0, LinearPath.DPBF16: 1, LinearPath.TORCH: 2,
               LinearPath.ONEDNN: 3, LinearPath.AMX: 5}
 PACKED_GATED = 4
 """The packed path's fused gate/up projection and activation (``ops.packed_gated_linear``)."""
+AMX_GATED = 6
+"""The amx path's (``ops.packed_gated_linear_amx``)."""
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,9 @@ def forward(model, stack: StackLayout | str, x: torch.Tensor, positions: torch.T
             path, weight = _path_and_weight(lin, n)
             weights.append(weight)
             biases.append(lin.bias)
-            paths.append(PACKED_GATED if which == 2 and path is LinearPath.PACKED
-                         and stack.gate_fusable else PATH_CODES[path])
+            fused = {LinearPath.PACKED: PACKED_GATED, LinearPath.AMX: AMX_GATED}
+            paths.append(fused[path] if which == 2 and path in fused and stack.gate_fusable
+                         else PATH_CODES[path])
     md = attn_metadata
     cfg = model.config
     return ops.decoder_stack(

@@ -53,7 +53,7 @@ __all__ = [
     "LINEAR_PANEL", "PACKED_LINEAR_DTYPES", "pack_linear_weight", "packed_linear",
     "GATED_ACTIVATIONS", "packed_gated_linear",
     "dpbf16_linear_available", "pack_linear_weight_dpbf16", "packed_linear_dpbf16",
-    "amx_linear_available", "packed_linear_amx",
+    "amx_linear_available", "packed_linear_amx", "packed_gated_linear_amx",
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
     "stream_read",
 ]
@@ -554,6 +554,23 @@ def packed_linear_amx(x: torch.Tensor, packed_weight: torch.Tensor,
     if not native_available():
         _require_native("packed_linear_amx")
     return torch.ops.pagedattn.packed_linear_amx(x, packed_weight, bias, n, out_dtype)
+
+
+def packed_gated_linear_amx(x: torch.Tensor, packed_weight: torch.Tensor,
+                            bias: torch.Tensor | None, out_features: int, activation: str,
+                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A gated MLP's ``act(gate) * up`` from its gate/up projection on AMX tiles:
+    :func:`packed_linear_amx`'s product of ``x`` and a ``[2 d, in_features]`` weight (gate
+    rows, then up rows; ``d`` a multiple of 16) packed by :func:`pack_linear_weight_dpbf16`,
+    with ``activation`` (``"silu"`` or ``"gelu_tanh"``, as :func:`silu_and_mul` /
+    :func:`gelu_tanh_and_mul` compute them) applied to the fp32 sums plus bias before one
+    rounding to ``out_dtype``. Returns ``[num_tokens, d]``; the ``[num_tokens, 2 d]``
+    projection is never written."""
+    n = _int64("out_features", out_features)
+    if not native_available():
+        _require_native("packed_gated_linear_amx")
+    return torch.ops.pagedattn.packed_gated_linear_amx(x, packed_weight, bias, n, activation,
+                                                       out_dtype)
 
 
 # ------------------------------------------------------------------ layer steps

@@ -86,6 +86,11 @@ if AVAILABLE:
     def _packed_linear_amx_fake(x, packed_weight, bias, out_features, out_dtype=None):
         return x.new_empty((x.shape[0], out_features), dtype=out_dtype or torch.float32)
 
+    @torch.library.register_fake("pagedattn::packed_gated_linear_amx")
+    def _packed_gated_linear_amx_fake(x, packed_weight, bias, out_features, activation,
+                                      out_dtype=None):
+        return x.new_empty((x.shape[0], out_features // 2), dtype=out_dtype or torch.float32)
+
     @torch.library.register_fake("pagedattn::rms_norm")
     def _rms_norm_fake(x, weight, eps, out_dtype=None):
         return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
