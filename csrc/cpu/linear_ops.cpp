@@ -269,10 +269,13 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
   const LinearDpParams& p = call.p;
   // Work units: pairs of panels, or gate panels (each beside its up panel).
   const int64_t m = p.m, units = gated ? call.panels / 2 : (call.panels + 1) / 2;
-  // Rows per chunk: a chunk's A tiles (64 x up to 2 KiB a row) stay in L2 while its
-  // panels stream past.
-  constexpr int64_t kAmxRowChunk = 64;
+  // Rows per chunk: each thread streams its panels once per chunk, every row block of the
+  // chunk reading a panel pair while it is in L1/L2, so a chunk is as many rows as fit in
+  // about 1 MiB of A tiles (L2 holds them beside the pair), at least 32.
   const int64_t ld = amx_linear_row_stride(p.k_pairs);
+  constexpr int64_t kAmxChunkBytes = 1 << 20;
+  const int64_t kAmxRowChunk =
+      std::max<int64_t>(32, kAmxChunkBytes / (ld * static_cast<int64_t>(sizeof(bf16_t))) / 32 * 32);
   const int64_t grain = std::max<int64_t>(
       1, kMinChunkMacs / (std::min(m, kAmxRowChunk) * std::max<int64_t>(p.k, 1) * 2 * kLinearPanel));
   at::parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {

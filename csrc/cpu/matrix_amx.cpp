@@ -102,18 +102,24 @@ __mmask32 first32(int64_t n) {
 // panel pair prefetches them this many K steps (4 KiB a panel) ahead.
 constexpr int64_t kPrefetchSteps = 4;
 
+// A row tile: 16 rows of bf16 features, `stride` bytes apart.
+struct RowTile {
+  const bf16_t* rows;
+  int64_t stride;
+};
+
 template <bool TwoM, bool TwoN>
-inline void linear_block(int64_t full_steps, bool has_tail, const bf16_t* A, int64_t lda,
+inline void linear_block(int64_t full_steps, bool has_tail, RowTile a0, RowTile a1,
                          const bf16_t* B0, const bf16_t* B1, const bf16_t* tail, float* C,
                          bool prefetch) {
-  const int64_t a_stride = lda * 2;
-  const bf16_t* A1 = A + 16 * lda;
   _tile_zero(0);
   if constexpr (TwoN) _tile_zero(1);
   if constexpr (TwoM) _tile_zero(2);
   if constexpr (TwoM && TwoN) _tile_zero(3);
   const auto step = [&](int64_t s, const bf16_t* b0, const bf16_t* b1) {
-    _tile_loadd(4, A + s * 32, a_stride);
+    // x's rows stream past (read once per panel pair, kept out of L1) while the pair's
+    // weight tiles stay in L1 for every row block of the chunk.
+    _tile_stream_loadd(4, a0.rows + s * 32, a0.stride);
     _tile_loadd(6, b0, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (TwoN) {
@@ -121,7 +127,7 @@ inline void linear_block(int64_t full_steps, bool has_tail, const bf16_t* A, int
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (TwoM) {
-      _tile_loadd(5, A1 + s * 32, a_stride);
+      _tile_stream_loadd(5, a1.rows + s * 32, a1.stride);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (TwoN) _tile_dpbf16ps(3, 5, 7);
     }
@@ -217,7 +223,16 @@ void amx_linear_panels(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
   const int64_t panel_elems = p.k_pairs * 32;
   alignas(64) bf16_t tail[2 * 512];
   alignas(64) float C[32 * 32];
-  load_rows(p, m_begin, m_end, ld, rows);
+  // bf16 rows whose features fill whole K steps are read where they lie, but for a last
+  // partial tile of 16 rows; other rows are copied (rounded, zero-padded) into rows.
+  const bool in_place = p.x_dtype == DType::kBF16 && p.k % 32 == 0;
+  const int64_t copied_from = in_place ? m_begin + (m_end - m_begin) / 16 * 16 : m_begin;
+  if (copied_from < m_end) load_rows(p, copied_from, m_end, ld, rows);
+  const auto row_tile = [&](int64_t m) -> RowTile {
+    if (m < copied_from)
+      return {static_cast<const bf16_t*>(p.x) + m * p.x_stride, p.x_stride * 2};
+    return {rows + (m - copied_from) * ld, ld * 2};
+  };
   asm volatile("" ::: "memory");
   // Plain: panels pn and pn + 1 side by side. Gated: gate panel pn beside its up panel.
   for (int64_t pn = p_begin; pn < p_end; pn += gated ? 1 : 2) {
@@ -232,13 +247,13 @@ void amx_linear_panels(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
     }
     for (int64_t m = m_begin; m < m_end; m += 32) {
       const int64_t rows_here = std::min<int64_t>(32, m_end - m);
-      const bf16_t* A = rows + (m - m_begin) * ld;
-      const bool two_m = rows_here > 16;
+      const bool two_m = rows_here > 16, first = m == m_begin;
+      const RowTile a0 = row_tile(m), a1 = two_m ? row_tile(m + 16) : a0;
       asm volatile("" ::: "memory");
-      if (two_m && two_n) linear_block<true, true>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
-      else if (two_m) linear_block<true, false>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
-      else if (two_n) linear_block<false, true>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
-      else linear_block<false, false>(full_steps, tail_pairs, A, ld, B0, B1, tail, C, m == m_begin);
+      if (two_m && two_n) linear_block<true, true>(full_steps, tail_pairs, a0, a1, B0, B1, tail, C, first);
+      else if (two_m) linear_block<true, false>(full_steps, tail_pairs, a0, a1, B0, B1, tail, C, first);
+      else if (two_n) linear_block<false, true>(full_steps, tail_pairs, a0, a1, B0, B1, tail, C, first);
+      else linear_block<false, false>(full_steps, tail_pairs, a0, a1, B0, B1, tail, C, first);
       asm volatile("" ::: "memory");
       if (gated) store_gated(p, *gated, C, m, rows_here, pn);
       else store_block(p, C, m, rows_here, pn, two_n ? 2 : 1);
