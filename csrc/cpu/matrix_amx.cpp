@@ -98,8 +98,9 @@ __mmask32 first32(int64_t n) {
 // One row block (16 or 32 rows: TwoM) times one or two panels (TwoN) over every K step,
 // into the 32 x 32 fp32 buffer C. The full steps read their B tiles where they lie; the
 // last, partial one (k_pairs not a multiple of 16) reads the zero-padded copies in tail.
-// The weight's tiles are read once per call, from L3 or memory: the first row block of a
-// panel pair prefetches them this many K steps (4 KiB a panel) ahead.
+// The weight's tiles come from L3 or memory once per row chunk: the first row block of a
+// panel pair prefetches them this many K steps (4 KiB a panel) ahead; the chunk's other
+// row blocks find them in L1.
 constexpr int64_t kPrefetchSteps = 4;
 
 // A row tile: 16 rows of bf16 features, `stride` bytes apart.
