@@ -153,6 +153,33 @@ def test_the_last_layer_runs_the_paths_of_its_output_rows(checkpoints, monkeypat
     assert_native_equals_python(llm, monkeypatch)
 
 
+def test_new_choices_reach_the_op_after_steps_have_run(checkpoints, monkeypatch):
+    # The op's paths and weights are resolved once per row bucket and reused; a later
+    # set_choices (a re-measurement) must reach the next step, not the stale resolution.
+    monkeypatch.setattr(MeasuredLinear, "release_unused", lambda self: None)
+    llm = engine(checkpoints["qwen2"], dtype="float32")
+    seen = []
+    stack_op = ops.decoder_stack
+
+    def recording_op(*args, **kwargs):
+        seen.append(list(args[7]))  # linear_paths
+        return stack_op(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "decoder_stack", recording_op)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for path in (LinearPath.PACKED, LinearPath.TORCH, LinearPath.PACKED):
+        for module in llm.engine.runner.model.modules():
+            if isinstance(module, MeasuredLinear):
+                module.set_choices([path] * len(ROW_BUCKETS))
+        seen.clear()
+        llm.generate(PROMPTS[:1], params)
+        assert seen
+        codes = {native_stack.PATH_CODES[path]}
+        if path == LinearPath.PACKED:
+            codes.add(native_stack.PACKED_GATED)
+        assert all(set(step) <= codes for step in seen), (path, seen[0])
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 def test_measured_paths_and_packed_layers_match_the_python_loop(checkpoints, family,
                                                                 monkeypatch):

@@ -32,6 +32,32 @@ def test_new_token_positions_and_slots():
     assert slots.tolist() == [9 * 4 + 0, 16, 17, 18]
 
 
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    ([1, 1, 1], [5, 1, 9]),        # a decode step (its shortcut)
+    ([1, 4, 1, 2], [3, 4, 17, 2]),  # mixed
+    ([3], [3]),
+    ([], []),
+])
+def test_new_token_positions_agree_with_their_definition(query_lens, seq_lens):
+    req, pos = paging.new_token_positions(query_lens, seq_lens)
+    want = [(r, s - q + i) for r, (q, s) in enumerate(zip(query_lens, seq_lens))
+            for i in range(q)]
+    assert req.dtype == pos.dtype == torch.int64
+    assert list(zip(req.tolist(), pos.tolist())) == want
+    # the slots, from a torch or a numpy block table, with or without the positions given
+    table = torch.arange(4 * max(len(query_lens), 1), dtype=torch.int32).view(-1, 4) * 3 + 1
+    want_slots = [int(table[r, p // 8]) * 8 + p % 8 for r, p in want]
+    for bt in (table, table.numpy()):
+        for given in (None, (req, pos)):
+            slots = paging.slot_mapping_for_new_tokens(bt, query_lens, seq_lens, 8, given)
+            assert slots.dtype == torch.int64 and slots.tolist() == want_slots
+
+
+def test_new_token_positions_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="one entry per request, got 2 and 1"):
+        paging.new_token_positions([1, 1], [4])
+
+
 def test_new_token_positions_rejects_short_seq():
     with pytest.raises(ValueError, match=r"request 1: seq_len \(2\) must be >= query_len \(3\)"):
         paging.new_token_positions([1, 3], [5, 2])

@@ -80,11 +80,14 @@ class ModelRunner:
         ids: list[int] = []
         for r, q in zip(reqs, query_lens):
             ids.extend(r.token_ids(r.num_computed_tokens, r.num_computed_tokens + q))
-        _, positions = new_token_positions(query_lens, seq_lens)
+        new_tokens = new_token_positions(query_lens, seq_lens)
         n = len(reqs)
         cols = max(1, int(batch.num_blocks[:n].max()))
-        block_table = torch.from_numpy(batch.block_table[:n, :cols])
-        slot_mapping = slot_mapping_for_new_tokens(block_table, query_lens, seq_lens, self.block_size)
+        table = batch.block_table[:n, :cols]
+        block_table = torch.from_numpy(table)
+        slot_mapping = slot_mapping_for_new_tokens(table, query_lens, seq_lens, self.block_size,
+                                                   new_tokens)
+        positions = new_tokens[1]
         qsl = query_start_loc(query_lens)
         common = CommonAttentionMetadata(
             query_start_loc=qsl, query_start_loc_cpu=qsl,

@@ -97,6 +97,29 @@ def _bucket_index(rows: int) -> int:
     return next(i for i, b in enumerate(ROW_BUCKETS) if b.hi is None or rows <= b.hi)
 
 
+_BUCKET_OF_ROWS = [_bucket_index(max(m, 1)) for m in range(_DIRECT_ROWS)]
+
+
+def row_bucket(rows: int) -> int:
+    """The index in :data:`ROW_BUCKETS` of the bucket whose path a call of ``rows`` rows
+    runs (no row counts as one)."""
+    return _BUCKET_OF_ROWS[rows] if rows < _DIRECT_ROWS else len(ROW_BUCKETS) - 1
+
+
+_choices_generation = 0
+
+
+def choices_generation() -> int:
+    """A count that changes whenever any :class:`MeasuredLinear` changes its paths or drops
+    a weight form, so that what was resolved from them can tell it is stale."""
+    return _choices_generation
+
+
+def _choices_changed() -> None:
+    global _choices_generation
+    _choices_generation += 1
+
+
 # ------------------------------------------------------------------ availability
 
 
@@ -204,16 +227,16 @@ class MeasuredLinear(nn.Module):
         if len(choices) != len(ROW_BUCKETS) or not set(choices) <= set(self.paths):
             raise ValueError(f"expected one of {[p.value for p in self.paths]} for each of "
                              f"{len(ROW_BUCKETS)} row buckets, got {[c.value for c in choices]}")
+        _choices_changed()
         self.choices = list(choices)
         by_bucket = [self.runner(p) for p in choices]
         # forward indexes this by row count: one list lookup per call, no search
-        self._by_rows = [by_bucket[_bucket_index(max(m, 1))] for m in range(_DIRECT_ROWS)]
+        self._by_rows = [by_bucket[b] for b in _BUCKET_OF_ROWS]
         self._big = by_bucket[-1]
-        self._paths_by_rows = [choices[_bucket_index(max(m, 1))] for m in range(_DIRECT_ROWS)]
 
     def path_for(self, rows: int) -> LinearPath:
         """The path that :meth:`forward` runs for ``rows`` rows."""
-        return self._paths_by_rows[rows] if rows < _DIRECT_ROWS else self.choices[-1]
+        return self.choices[row_bucket(rows)]
 
     def weight_for(self, path: LinearPath) -> torch.Tensor:
         """The weight, in the form ``path`` reads (only the chosen paths' are kept)."""
@@ -222,6 +245,7 @@ class MeasuredLinear(nn.Module):
                 LinearPath.ONEDNN: self.onednn_weight}[path]
 
     def release_unused(self) -> None:
+        _choices_changed()
         used = set(self.choices)
         self.paths = [p for p in self.paths if p in used]
         for paths, name in (({LinearPath.PACKED}, "packed_weight"),

@@ -18,13 +18,14 @@ scales, or models loaded without the native extension.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedattn import ops
 from pagedattn.models.layers import PackedLinear, fusable
-from pagedattn.models.linear_paths import LinearPath, MeasuredLinear
+from pagedattn.models.linear_paths import (LinearPath, MeasuredLinear, choices_generation,
+                                           row_bucket)
 
 PATH_CODES = {LinearPath.PACKED: 0, LinearPath.DPBF16: 1, LinearPath.TORCH: 2,
               LinearPath.ONEDNN: 3, LinearPath.AMX: 5}
@@ -54,6 +55,34 @@ class StackLayout:
     eps: float
     gate_fusable: bool
     """Whether the gate/up projection's packed path fuses its activation (:func:`fusable`)."""
+    linear_args: dict = field(default_factory=dict, compare=False, repr=False)
+    """The op's (weights, biases, path codes) resolved per (rows' bucket, output rows'
+    bucket, :func:`choices_generation`): a decode step's 120 paths and weights are looked
+    up once, not per step."""
+
+    def resolved_linears(self, rows: int, last_rows: int) -> tuple[list, list, list[int]]:
+        """Each linear layer's weight, bias and path code for a step of ``rows`` rows whose
+        last layer's o, gate/up and down projections run ``last_rows`` rows."""
+        key = (row_bucket(rows), row_bucket(last_rows), choices_generation())
+        found = self.linear_args.get(key)
+        if found is None:
+            found = self.linear_args[key] = self._resolve_linears(rows, last_rows)
+            for stale in [k for k in self.linear_args if k[2] != key[2]]:
+                del self.linear_args[stale]
+        return found
+
+    def _resolve_linears(self, rows: int, last_rows: int) -> tuple[list, list, list[int]]:
+        weights, biases, paths = [], [], []
+        fused = {LinearPath.PACKED: PACKED_GATED, LinearPath.AMX: AMX_GATED}
+        for i, four in enumerate(self.linears):
+            for which, lin in enumerate(four):
+                n = last_rows if i == len(self.linears) - 1 and which > 0 else rows
+                path, weight = _path_and_weight(lin, n)
+                weights.append(weight)
+                biases.append(lin.bias)
+                paths.append(fused[path] if which == 2 and path in fused and self.gate_fusable
+                             else PATH_CODES[path])
+        return weights, biases, paths
 
 
 def _norms(model, layer) -> tuple[str, list] | str:
@@ -139,18 +168,9 @@ def forward(model, stack: StackLayout | str, x: torch.Tensor, positions: torch.T
             return None
         scalars += [call.scale, call.softcap, call.k_scale, call.v_scale]
         windows += [call.window_left, call.window_right]
-    weights, biases, paths = [], [], []
     # the last layer's o, gate/up and down projections run on the output rows only
     last_rows = rows if output_rows is None else output_rows.shape[0]
-    for i, four in enumerate(stack.linears):
-        for which, lin in enumerate(four):
-            n = last_rows if i == len(stack.linears) - 1 and which > 0 else rows
-            path, weight = _path_and_weight(lin, n)
-            weights.append(weight)
-            biases.append(lin.bias)
-            fused = {LinearPath.PACKED: PACKED_GATED, LinearPath.AMX: AMX_GATED}
-            paths.append(fused[path] if which == 2 and path in fused and stack.gate_fusable
-                         else PATH_CODES[path])
+    weights, biases, paths = stack.resolved_linears(rows, last_rows)
     md = attn_metadata
     cfg = model.config
     return ops.decoder_stack(
