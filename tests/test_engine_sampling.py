@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
+from pagedattn import ops
 from pagedattn.engine.request import Request
+from pagedattn.ops import reference
 from pagedattn.engine.sampler import ARGMAX_CHUNK, apply_logits_processors, argmax_rows, sample
 from pagedattn.engine.sampling_params import SamplingParams
 
@@ -110,6 +112,57 @@ def _argmax_cases() -> dict[str, torch.Tensor]:
 def test_argmax_rows_is_torchs_argmax(case):
     logits = _argmax_cases()[case]
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+
+
+needs_native = pytest.mark.skipif(not ops.native_available(),
+                                  reason="the native extension is not built")
+
+
+def _native_argmax_cases() -> dict[str, torch.Tensor]:
+    # lengths around the kernel's vector widths (4, 8, 16) and its four chains of them
+    # (a strided last dim is rejected, below; the sampler then runs torch)
+    gen = torch.Generator().manual_seed(1)
+    cases = {name: x for name, x in _argmax_cases().items()
+             if name not in ("strided", "no_rows")}
+    for n in (1, 3, 15, 16, 17, 63, 64, 65, 100, 257):
+        x = torch.randn(5, n, generator=gen)
+        x[1] = 2.0                                  # all equal: index 0
+        x[2, n // 2:] = 7.0                         # a run of maxima: its first
+        x[3, -1] = float("nan")                     # a NaN in the tail
+        x[4, 0] = float("-inf")
+        cases[f"n{n}"] = x
+    return cases
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(_native_argmax_cases()))
+def test_native_argmax_rows_is_the_reference(case, dtype, isa):
+    logits = _native_argmax_cases()[case].to(dtype)
+    got = ops.argmax_rows(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, reference.argmax_rows(logits))
+
+
+@needs_native
+@pytest.mark.parametrize("logits, error, match", [
+    (torch.zeros(2, 3, dtype=torch.float16), TypeError, "float32 or bfloat16, got Half"),
+    (torch.zeros(6), ValueError, r"2-D \[rows, vocab\], got shape \[6\]"),
+    (torch.zeros(2, 0), ValueError, r"at least one entry per row, got shape \[2, 0\]"),
+    (torch.zeros(3, 4).t(), ValueError, r"last dim must be contiguous, got strides \[1, 4\]"),
+])
+def test_native_argmax_rows_rejects(logits, error, match):
+    with pytest.raises(error, match=match):
+        ops.argmax_rows(logits)
+
+
+@needs_native
+def test_native_argmax_rows_opcheck_and_compile():
+    x = torch.randn(4, 300)
+    torch.library.opcheck(torch.ops.pagedattn.argmax_rows, (x,))
+    compiled = torch.compile(ops.argmax_rows, fullgraph=True)
+    assert torch.equal(compiled(x), x.argmax(dim=-1))
+    assert ops.argmax_rows(torch.empty(0, 5)).shape == (0,)
 
 
 @pytest.mark.parametrize("kwargs, field, want", [

@@ -266,6 +266,11 @@ struct KernelTable {
   void (*act_mul_f32_rows)(GatedActivation act, const float* gate, const float* up,
                            int64_t stride, int64_t rows, int64_t n, void* out,
                            int64_t out_stride, DType out_dtype) = nullptr;
+  // out[r] = the index of the first maximal entry of row r (the first NaN where a row has
+  // one) of x (`dtype`: kF32 or kBF16; rows `stride` elements apart, n >= 1 entries each)
+  // for rows [row_begin, row_end): greedy sampling's argmax.
+  void (*argmax_rows)(const void* x, int64_t stride, int64_t row_begin, int64_t row_end,
+                      int64_t n, DType dtype, int64_t* out) = nullptr;
   // Sum of the bytes p[0, n) mod 2^64, read with the ISA's widest loads (stream_read_impl.h):
   // the stream_read op, the bench's DRAM roof.
   uint64_t (*sum_bytes)(const uint8_t* p, int64_t n) = nullptr;

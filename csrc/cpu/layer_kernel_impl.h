@@ -145,6 +145,78 @@ void act_mul_f32_rows_entry(GatedActivation act, const float* gate, const float*
   act_mul_f32_rows_typed<VT>(act, gate, up, stride, rows, n, static_cast<float*>(out), out_stride);
 }
 
+// Index of the first maximal element of each row (a NaN counts as maximal, the first NaN
+// wins: torch.argmax's answer), for greedy sampling. One pass keeps, per lane, the lane's
+// max and the first index holding it (exact as a float below 2^24 entries); the row's
+// answer is the least index among the lanes that hold its max. A row with a NaN (or of
+// 2^24 entries and more) takes a second pass for its first wanted entry. A 32-row batch of
+// 49,152 logits is then one streaming read, where torch's argmax reduces element by element.
+template <class VT, class T>
+void argmax_rows_typed(const T* x, int64_t stride, int64_t row_begin, int64_t row_end,
+                       int64_t n, int64_t* out) {
+  using V = typename VT::V;
+  constexpr int W = VT::W;
+  constexpr int64_t kExactIndices = int64_t{1} << 24;
+  float lane[W];
+  for (int l = 0; l < W; ++l) lane[l] = static_cast<float>(l);
+  const V iota = VT::load(lane);
+  const V zero = VT::zero(), one = VT::set1(1.f);
+  constexpr int kChains = 4;  // independent max/index chains: a compare-and-blend chain
+                              // alone runs at its latency, not at the loads' rate
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const T* row = x + r * stride;
+    V vmax[kChains], vidx[kChains];
+    V nan = zero;  // 1 in lanes that met a NaN (x != x)
+    for (int c = 0; c < kChains; ++c)
+      vmax[c] = VT::set1(-std::numeric_limits<float>::infinity()), vidx[c] = zero;
+    int64_t i = 0;
+    const auto step = [&](int c, int64_t at) {
+      const V v = load_f32<VT>(row + at);
+      const auto up = VT::lt(vmax[c], v);  // strictly: a lane keeps its first maximum
+      vmax[c] = VT::select(up, v, vmax[c]);
+      vidx[c] = VT::select(up, VT::add(iota, VT::set1(static_cast<float>(at))), vidx[c]);
+      nan = VT::max(nan, VT::select(VT::eq(v, v), zero, one));
+    };
+    for (; i + kChains * W <= n; i += kChains * W)
+      for (int c = 0; c < kChains; ++c) step(c, i + c * W);
+    for (; i + W <= n; i += W) step(0, i);
+    V all_max = vmax[0];
+    for (int c = 1; c < kChains; ++c) all_max = VT::max(all_max, vmax[c]);
+    float m = VT::hmax(all_max);
+    bool has_nan = VT::hmax(nan) > 0.f;
+    int64_t best = -1;  // none yet: the least index among the lanes holding m
+    for (int c = 0; c < kChains && i > 0; ++c) {
+      float lane_max[W], lane_idx[W];
+      VT::store(lane_max, vmax[c]);
+      VT::store(lane_idx, vidx[c]);
+      for (int l = 0; l < W; ++l)
+        if (lane_max[l] == m && (best < 0 || static_cast<int64_t>(lane_idx[l]) < best))
+          best = static_cast<int64_t>(lane_idx[l]);
+    }
+    for (int64_t j = i; j < n; ++j) {
+      const float v = scalar_f32(row[j]);
+      has_nan |= v != v;
+      if (best < 0 || v > m) m = v, best = j;
+    }
+    if (has_nan || n >= kExactIndices) {
+      best = 0;
+      while (best < n && !(has_nan ? scalar_f32(row[best]) != scalar_f32(row[best])
+                                   : scalar_f32(row[best]) == m))
+        ++best;
+    }
+    out[r] = best;
+  }
+}
+
+template <class VT>
+void argmax_rows_entry(const void* x, int64_t stride, int64_t row_begin, int64_t row_end,
+                       int64_t n, DType dtype, int64_t* out) {
+  if (dtype == DType::kBF16)
+    return argmax_rows_typed<VT>(static_cast<const bf16_t*>(x), stride, row_begin, row_end, n,
+                                 out);
+  argmax_rows_typed<VT>(static_cast<const float*>(x), stride, row_begin, row_end, n, out);
+}
+
 // A gated MLP's projection and activation in one pass: out[m, j] = act(x . W[j]) *
 // (x . W[d + j]) for j < d, over a packed [2d, k] weight (gate panels [0, d/16), up panels
 // [d/16, 2d/16); d a multiple of 16). Each row tile computes its gate and up tiles into
@@ -212,5 +284,6 @@ KernelTable with_model_kernels(KernelTable table) {
   table.rms_norm_rows = &rms_norm_rows_entry<VT>;
   table.act_mul_rows = &act_mul_rows_entry<VT>;
   table.act_mul_f32_rows = &act_mul_f32_rows_entry<VT>;
+  table.argmax_rows = &argmax_rows_entry<VT>;
   return table;
 }

@@ -55,7 +55,7 @@ __all__ = [
     "dpbf16_linear_available", "pack_linear_weight_dpbf16", "packed_linear_dpbf16",
     "amx_linear_available", "packed_linear_amx", "packed_gated_linear_amx",
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
-    "stream_read",
+    "stream_read", "argmax_rows",
 ]
 
 _warned_fallback = False
@@ -655,7 +655,8 @@ def decoder_stack(style: str, x: torch.Tensor, positions: torch.Tensor,
     ``linear_weights[4 i + j]``, ``linear_biases[4 i + j]`` and ``linear_paths[4 i + j]`` for
     ``j`` = qkv, o, gate_up, down, each weight in the form its path reads (path codes: 0
     packed, 1 dpbf16, 2 torch, 3 oneDNN prepacked, 4 the packed gate/up with the MLP's
-    activation fused; ``linear_out_features``: the four widths); ``attn_scalars[4 i:4 i +
+    activation fused, 5 amx, 6 the amx gate/up with the activation fused;
+    ``linear_out_features``: the four widths); ``attn_scalars[4 i:4 i +
     4]`` = scale, softcap, k_scale, v_scale and ``windows[2 i:2 i + 2]`` = left, right.
     ``x`` (the embeddings, float32 ``[T, hidden]``) becomes the residual stream: it is
     updated in place. The KV caches get the step's keys and values, as the per-layer ops
@@ -674,6 +675,19 @@ def decoder_stack(style: str, x: torch.Tensor, positions: torch.Tensor,
 
 
 # ------------------------------------------------------------------ memory streaming
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of 2-D ``[rows, vocab]`` logits (float32 or bfloat16, last
+    dim contiguous, ``vocab >= 1``): int64 ``[rows]``, each row's first maximal index, or its
+    first NaN where it has one, as torch answers. Greedy sampling's token per row, in two
+    vector passes per row (torch's CPU argmax reduces one element at a time).
+
+    Raises TypeError for another dtype and ValueError for another shape, an empty vocab or
+    a strided last dim."""
+    if not native_available():
+        return _fallback("argmax_rows").argmax_rows(logits)
+    return torch.ops.pagedattn.argmax_rows(logits)
 
 
 def stream_read(buf: torch.Tensor) -> int:

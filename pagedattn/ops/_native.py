@@ -121,6 +121,10 @@ if AVAILABLE:
         rows = x.shape[0] if output_rows is None else output_rows.shape[0]
         return x.new_empty((rows, x.shape[1]), dtype=act_dtype)
 
+    @torch.library.register_fake("pagedattn::argmax_rows")
+    def _argmax_rows_fake(logits):
+        return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
     @torch.library.register_fake("pagedattn::stream_read")
     def _stream_read_fake(buf):
         return buf.new_empty((), dtype=torch.int64)

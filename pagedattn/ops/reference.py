@@ -629,6 +629,16 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 # ------------------------------------------------------------------ memory streaming
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index (NaN counts as maximal), int64 ``[rows]``."""
+    if logits.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"logits must be float32 or bfloat16, got {logits.dtype}")
+    if logits.dim() != 2 or logits.shape[1] < 1:
+        raise ValueError(f"logits must be 2-D [rows, vocab] with vocab >= 1, got shape "
+                         f"{tuple(logits.shape)}")
+    return logits.argmax(dim=-1)
+
+
 def stream_read(buf: torch.Tensor) -> int:
     """The sum of ``buf``'s bytes, each read as an unsigned 8-bit integer (whatever
     ``buf``'s dtype): what :func:`pagedattn.ops.stream_read` returns, computed plainly."""
