@@ -235,19 +235,6 @@ bool amx_linear_available() {
   return current_cpu_isa() == CpuIsa::kAvx512bf16 && own_tiles_permitted();
 }
 
-at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
-                          const std::optional<at::Tensor>& bias, int64_t out_features,
-                          std::optional<at::ScalarType> out_dtype,
-                          std::optional<GatedActivation> activation);
-
-// The same product on AMX tiles (matrix_amx.cpp): the weight's panels are read in place
-// as B tiles, two at a time, against 32 rows of x at a time.
-at::Tensor packed_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
-                             const std::optional<at::Tensor>& bias, int64_t out_features,
-                             std::optional<at::ScalarType> out_dtype) {
-  return run_linear_amx(x, packed_weight, bias, out_features, out_dtype, std::nullopt);
-}
-
 // packed_linear_amx, or, with an activation, a gated MLP's act(gate) * up from its
 // gate/up projection, the activation applied to the tiles' fp32 sums.
 at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
@@ -274,20 +261,28 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
   // about 1 MiB of A tiles (L2 holds them beside the pair), at least 32.
   const int64_t ld = amx_linear_row_stride(p.k_pairs);
   constexpr int64_t kAmxChunkBytes = 1 << 20;
-  const int64_t kAmxRowChunk =
+  const int64_t row_chunk =
       std::max<int64_t>(32, kAmxChunkBytes / (ld * static_cast<int64_t>(sizeof(bf16_t))) / 32 * 32);
   const int64_t grain = std::max<int64_t>(
-      1, kMinChunkMacs / (std::min(m, kAmxRowChunk) * std::max<int64_t>(p.k, 1) * 2 * kLinearPanel));
+      1, kMinChunkMacs / (std::min(m, row_chunk) * std::max<int64_t>(p.k, 1) * 2 * kLinearPanel));
   at::parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {
     thread_local std::vector<bf16_t> rows;
-    rows.resize(std::max<size_t>(rows.size(), (std::min(m, kAmxRowChunk) + 15) / 16 * 16 * ld));
+    rows.resize(std::max<size_t>(rows.size(), (std::min(m, row_chunk) + 15) / 16 * 16 * ld));
     const int64_t pb = gated ? ub : 2 * ub, pe = gated ? ue : std::min(call.panels, 2 * ue);
     acquire_own_tiles();
-    for (int64_t mb = 0; mb < m; mb += kAmxRowChunk)
-      amx_linear_panels(p, mb, std::min(m, mb + kAmxRowChunk), pb, pe, rows.data(), epilogue);
+    for (int64_t mb = 0; mb < m; mb += row_chunk)
+      amx_linear_panels(p, mb, std::min(m, mb + row_chunk), pb, pe, rows.data(), epilogue);
     release_own_tiles();
   });
   return call.out;
+}
+
+// The same product on AMX tiles (matrix_amx.cpp): the weight's panels are read in place
+// as B tiles, two at a time, against 32 rows of x at a time.
+at::Tensor packed_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
+                             const std::optional<at::Tensor>& bias, int64_t out_features,
+                             std::optional<at::ScalarType> out_dtype) {
+  return run_linear_amx(x, packed_weight, bias, out_features, out_dtype, std::nullopt);
 }
 
 at::Tensor packed_gated_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
