@@ -266,6 +266,12 @@ struct KernelTable {
   void (*act_mul_f32_rows)(GatedActivation act, const float* gate, const float* up,
                            int64_t stride, int64_t rows, int64_t n, void* out,
                            int64_t out_stride, DType out_dtype) = nullptr;
+  // Rotate-half RoPE at one position, in place, of `heads` heads of x (`dtype`: kF32 or
+  // kBF16; heads head_stride elements apart, 2 * half each): x[i], x[i + half] <- x[i]
+  // cos[i] - x[i + half] sin[i], x[i + half] cos[i] + x[i] sin[i], each product rounded
+  // before the sum (no FMA), in fp32.
+  void (*rotate_heads)(void* x, DType dtype, int64_t heads, int64_t head_stride,
+                       const float* cos, const float* sin, int64_t half) = nullptr;
   // out[r] = the index of the first maximal entry of row r (the first NaN where a row has
   // one) of x (`dtype`: kF32 or kBF16; rows `stride` elements apart, n >= 1 entries each)
   // for rows [row_begin, row_end): greedy sampling's argmax.

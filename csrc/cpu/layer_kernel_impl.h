@@ -145,6 +145,59 @@ void act_mul_f32_rows_entry(GatedActivation act, const float* gate, const float*
   act_mul_f32_rows_typed<VT>(act, gate, up, stride, rows, n, static_cast<float*>(out), out_stride);
 }
 
+// v as it stands, rounded: the compiler may not fuse the multiply that made it into the
+// add or subtract that reads it (GCC contracts a * b + c into an FMA under its default
+// -ffp-contract=fast, intrinsics included), where the reference rounds the product first.
+template <class V>
+inline void keep_rounded(V& v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#else
+  volatile V held = v;
+  v = held;
+#endif
+}
+
+// Rotate-half RoPE of `heads` heads (head_stride elements apart, at x) at one position:
+// x[i], x[i + half] <- x[i] cos[i] - x[i + half] sin[i], x[i + half] cos[i] + x[i] sin[i],
+// each product rounded before the sum, as Hugging Face's x * cos + rotate_half(x) * sin
+// computes it in fp32 (bf16 x widened, the result rounded once to nearest even).
+template <class VT, class T>
+void rotate_heads_typed(T* x, int64_t heads, int64_t head_stride, const float* cos,
+                        const float* sin, int64_t half) {
+  using V = typename VT::V;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* a = x + h * head_stride;
+    T* b = a + half;
+    int64_t i = 0;
+    for (; i + VT::W <= half; i += VT::W) {
+      const V x1 = load_f32<VT>(a + i), x2 = load_f32<VT>(b + i);
+      const V c = VT::load(cos + i), s = VT::load(sin + i);
+      V x1c = VT::mul(x1, c), x2s = VT::mul(x2, s), x2c = VT::mul(x2, c), x1s = VT::mul(x1, s);
+      keep_rounded(x1c), keep_rounded(x2s), keep_rounded(x2c), keep_rounded(x1s);
+      store_f32<VT>(a + i, VT::sub(x1c, x2s));
+      store_f32<VT>(b + i, VT::add(x2c, x1s));
+    }
+    for (; i < half; ++i) {
+      const float x1 = scalar_f32(a[i]), x2 = scalar_f32(b[i]);
+      float x1c = x1 * cos[i], x2s = x2 * sin[i], x2c = x2 * cos[i], x1s = x1 * sin[i];
+      keep_rounded(x1c), keep_rounded(x2s), keep_rounded(x2c), keep_rounded(x1s);
+      scalar_store(a + i, x1c - x2s);
+      scalar_store(b + i, x2c + x1s);
+    }
+  }
+}
+
+template <class VT>
+void rotate_heads_entry(void* x, DType dtype, int64_t heads, int64_t head_stride,
+                        const float* cos, const float* sin, int64_t half) {
+  if (dtype == DType::kBF16)
+    return rotate_heads_typed<VT>(static_cast<bf16_t*>(x), heads, head_stride, cos, sin, half);
+  rotate_heads_typed<VT>(static_cast<float*>(x), heads, head_stride, cos, sin, half);
+}
+
 // Index of the first maximal element of each row (a NaN counts as maximal, the first NaN
 // wins: torch.argmax's answer), for greedy sampling. One pass keeps, per lane, the lane's
 // max and the first index holding it (exact as a float below 2^24 entries); the row's
@@ -285,5 +338,6 @@ KernelTable with_model_kernels(KernelTable table) {
   table.act_mul_rows = &act_mul_rows_entry<VT>;
   table.act_mul_f32_rows = &act_mul_f32_rows_entry<VT>;
   table.argmax_rows = &argmax_rows_entry<VT>;
+  table.rotate_heads = &rotate_heads_entry<VT>;
   return table;
 }

@@ -121,35 +121,24 @@ void check_rotary_input(const at::Tensor& t, const char* name, int64_t tokens, i
                     " must not overlap itself (it is rotated in place)");
 }
 
-// x[i], x[i + half] <- x[i] cos - x[i + half] sin, x[i + half] cos + x[i] sin: Hugging
-// Face's x * cos + rotate_half(x) * sin, term for term (no fused multiply-add here), in
-// fp32 (a bf16 x is widened, rotated, and rounded once to nearest even).
-template <class T>
-void rotate_heads(T* x, int64_t heads, int64_t head_stride, const float* cos,
-                  const float* sin, int64_t half) {
-  for (int64_t h = 0; h < heads; ++h) {
-    T* a = x + h * head_stride;
-    T* b = a + half;
-    for (int64_t i = 0; i < half; ++i) {
-      const float x1 = static_cast<float>(a[i]), x2 = static_cast<float>(b[i]);
-      a[i] = static_cast<T>(x1 * cos[i] + (-x2) * sin[i]);
-      b[i] = static_cast<T>(x2 * cos[i] + x1 * sin[i]);
-    }
-  }
-}
-
-template <class T>
+// Each token's heads at its position, on the ISA's vector kernel (rotate_heads in
+// layer_kernel_impl.h: Hugging Face's arithmetic term for term, no fused multiply-add).
 void rotate_tokens(const int64_t* pos, at::Tensor& query, at::Tensor& key, const float* table,
                    int64_t head_size) {
   const int64_t half = head_size / 2;
-  T* q = query.data_ptr<T>();
-  T* k = key.data_ptr<T>();
+  const DType dtype = activation_dtype(query.scalar_type(), "query");
+  const size_t elem = query.element_size();
+  char* q = static_cast<char*>(query.data_ptr());
+  char* k = static_cast<char*>(key.data_ptr());
+  const KernelTable* kt = current_kernels();
   at::parallel_for(0, query.size(0),
                    row_grain((query.size(1) + key.size(1)) * head_size), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* cos = table + pos[t] * head_size;
-      rotate_heads(q + t * query.stride(0), query.size(1), query.stride(1), cos, cos + half, half);
-      rotate_heads(k + t * key.stride(0), key.size(1), key.stride(1), cos, cos + half, half);
+      kt->rotate_heads(q + t * query.stride(0) * elem, dtype, query.size(1), query.stride(1),
+                       cos, cos + half, half);
+      kt->rotate_heads(k + t * key.stride(0) * elem, dtype, key.size(1), key.stride(1), cos,
+                       cos + half, half);
     }
   });
 }
@@ -177,10 +166,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
   TORCH_CHECK_TYPE(key.scalar_type() == query.scalar_type(), "key dtype ", key.scalar_type(),
                    " must equal query dtype ", query.scalar_type());
   const float* table = cos_sin_cache.data_ptr<float>();
-  if (query.scalar_type() == at::kBFloat16)
-    rotate_tokens<at::BFloat16>(pos, query, key, table, head_size);
-  else
-    rotate_tokens<float>(pos, query, key, table, head_size);
+  rotate_tokens(pos, query, key, table, head_size);
 }
 
 }  // namespace pagedattn
