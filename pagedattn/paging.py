@@ -110,13 +110,10 @@ def new_token_positions(query_lens: Sequence[int], seq_lens: Sequence[int]
         r = int(np.flatnonzero(short)[0])
         raise ValueError(f"request {r}: seq_len ({int(s[r])}) must be >= query_len "
                          f"({int(q[r])})")
-    if q.size and (q == 1).all():  # a decode step: one token per request, at its end
-        req_indices, positions = np.arange(q.size, dtype=np.int64), s - 1
-    else:
-        req_indices = np.repeat(np.arange(q.size, dtype=np.int64), q)
-        starts = np.cumsum(q) - q  # first token row of each request
-        offsets = np.arange(req_indices.size, dtype=np.int64) - starts[req_indices]
-        positions = (s - q)[req_indices] + offsets
+    req_indices = np.repeat(np.arange(q.size, dtype=np.int64), q)
+    starts = np.cumsum(q) - q  # first token row of each request
+    offsets = np.arange(req_indices.size, dtype=np.int64) - starts[req_indices]
+    positions = (s - q)[req_indices] + offsets
     return torch.from_numpy(req_indices), torch.from_numpy(positions)
 
 

@@ -33,7 +33,7 @@ def test_new_token_positions_and_slots():
 
 
 @pytest.mark.parametrize("query_lens,seq_lens", [
-    ([1, 1, 1], [5, 1, 9]),        # a decode step (its shortcut)
+    ([1, 1, 1], [5, 1, 9]),        # a decode step
     ([1, 4, 1, 2], [3, 4, 17, 2]),  # mixed
     ([3], [3]),
     ([], []),

@@ -252,10 +252,9 @@ void argmax_rows_typed(const T* x, int64_t stride, int64_t row_begin, int64_t ro
       if (best < 0 || v > m) m = v, best = j;
     }
     if (has_nan || n >= kExactIndices) {
-      best = 0;
-      while (best < n && !(has_nan ? scalar_f32(row[best]) != scalar_f32(row[best])
-                                   : scalar_f32(row[best]) == m))
-        ++best;
+      const auto wanted = [&](float v) { return has_nan ? v != v : v == m; };
+      for (best = 0; best < n && !wanted(scalar_f32(row[best])); ++best) {
+      }
     }
     out[r] = best;
   }

@@ -114,8 +114,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     slower than its max, and a batch's greedy argmax over a 262,144-token vocabulary cost
     ~9 ms per step."""
     rows, vocab = logits.shape
-    if ops.native_available() and vocab >= 1 and logits.dtype in (torch.float32, torch.bfloat16) \
-            and (vocab == 1 or logits.stride(1) == 1):
+    if ops.native_available() and logits.dtype in (torch.float32, torch.bfloat16) \
+            and vocab and logits.stride(1) == 1:
         return ops.argmax_rows(logits)
     if vocab % ARGMAX_CHUNK or vocab < 4 * ARGMAX_CHUNK or not logits.is_contiguous():
         return logits.argmax(dim=-1)
