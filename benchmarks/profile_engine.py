@@ -53,6 +53,7 @@ GLUE = ("openmp", "python", "os+alloc")
 
 _GEMM_SYMBOLS = re.compile(r"dnnl|mkldnn|brgemm|gemm|blas|mkl_|linear_dp|packed_linear|"
                            r"linear_tile|amx_tile|amx_linear")
+_PERF_MAP = re.compile(r"perf-\d+\.map")
 _ATTENTION_SYMBOLS = re.compile(r"AttnKernel|attend|QkDp|PvDp|softmax|MatrixPrefill|TilePack|"
                                 r"pack_matrix|matrix_pack|PrefetchCursor|execute_plan|attn_item|"
                                 r"merge|slot_row|cache_write|reshape_and_cache|attention")
@@ -63,7 +64,10 @@ def classify(dso: str, symbol: str) -> str:
     name = os.path.basename(dso)
     if name.startswith(("libgomp", "libiomp", "libomp")):
         return "openmp"
-    if dso.startswith("[JIT]") or "openblas" in name or name.startswith(("libmkl", "libdnnl")):
+    # JIT code: perf names it "[JIT] tid N", or, where the JIT wrote a perf map (oneDNN's
+    # kernels do), by the map file. The GEMMs are the JIT code a step runs.
+    if dso.startswith("[JIT]") or _PERF_MAP.fullmatch(name) or "openblas" in name \
+            or name.startswith(("libmkl", "libdnnl")):
         return "gemm"
     if name.startswith(("_C.", "_C_")):
         if _GEMM_SYMBOLS.search(symbol):

@@ -28,6 +28,9 @@ def probe():
 @pytest.mark.parametrize("dso, symbol, category", [
     ("/x/torch/lib/libgomp.so.1", "0x1de62", "openmp"),
     ("[JIT] tid 17535", "0x7fe7aaec0086", "gemm"),
+    ("/tmp/perf-3235.map", "[unknown]", "gemm"),
+    ("perf-3235.map", "[unknown]", "gemm"),
+    ("/tmp/perf-x.map", "[unknown]", "other"),
     ("/x/torch/lib/libtorch_cpu.so",
      "dnnl::impl::cpu::x64::matmul::brgemm_matmul_t<129009>::compute_kernel", "gemm"),
     ("/x/torch/lib/libtorch_cpu.so", "at::native::AVX2::direct_copy_kernel", "elementwise"),
