@@ -41,7 +41,8 @@ def machine_key() -> dict:
     measured again."""
     return {"format": CACHE_FORMAT, "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "isa": ops.get_cpu_isa().value if ops.native_available() else "none"}
+            "isa": ops.get_cpu_isa().value if ops.native_available() else "none",
+            "extension": ops.native_build()}
 
 
 def cache_path(kind: str) -> Path:

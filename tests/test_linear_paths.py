@@ -403,7 +403,9 @@ def test_install_measures_caches_and_reuses(cache_dir):
     assert list(plan.shapes) == ["24x40:float32", "40x24:float32"]  # shared by two layers
     assert all(c.source == "measured" and c.times_us for cs in plan.shapes.values() for c in cs)
     data = json.loads((cache_dir / "linear-paths.json").read_text())
-    assert set(data["key"]) == {"format", "cpu_model", "cpu_flags", "threads", "torch", "isa"}
+    assert set(data["key"]) == {"format", "cpu_model", "cpu_flags", "threads", "torch", "isa",
+                                "extension"}
+    assert data["key"]["extension"] == ops.native_build() != "none"
     assert data["key"] == lp.machine_key()
     assert data["key"]["threads"] == torch.get_num_threads()
     assert data["key"]["torch"] == torch.__version__
@@ -414,14 +416,16 @@ def test_install_measures_caches_and_reuses(cache_dir):
 
 
 @needs_native
-@pytest.mark.parametrize("damage", ["stale_threads", "stale_torch", "stale_flags", "garbage",
-                                    "wrong_json", "bad_entry", "fewer_candidates"])
+@pytest.mark.parametrize("damage", ["stale_threads", "stale_torch", "stale_flags",
+                                    "stale_extension", "garbage", "wrong_json", "bad_entry",
+                                    "fewer_candidates"])
 def test_stale_or_corrupt_cache_is_remeasured_and_rewritten(cache_dir, damage):
     lp.install_linear_paths(small_net(), torch.float32, busy=False)
     path = cache_dir / "linear-paths.json"
     data = json.loads(path.read_text())
     if damage.startswith("stale_"):
-        field = {"stale_threads": "threads", "stale_torch": "torch", "stale_flags": "cpu_flags"}[damage]
+        field = {"stale_threads": "threads", "stale_torch": "torch", "stale_flags": "cpu_flags",
+                 "stale_extension": "extension"}[damage]
         data["key"][field] = "something else"
         path.write_text(json.dumps(data))
     elif damage == "garbage":

@@ -52,6 +52,26 @@ def test_isa_names_parse_once_with_helpful_errors():
 
 
 @native
+@native
+def test_native_build_names_the_loaded_file_and_changes_with_it(tmp_path, monkeypatch):
+    from pagedattn.ops import _native
+    loaded = sys.modules["pagedattn._C"].__file__
+    st = os.stat(loaded)
+    assert ops.native_build() == f"{st.st_size}-{st.st_mtime_ns}"
+    fake = tmp_path / "_C.so"
+    fake.write_bytes(b"x" * 10)
+    os.utime(fake, ns=(1, 1_000_000_000))
+    monkeypatch.setattr(sys.modules["pagedattn._C"], "__file__", str(fake))
+    first = ops.native_build()
+    assert first == "10-1000000000"
+    os.utime(fake, ns=(1, 2_000_000_000))  # rebuilt in place: same size, newer
+    assert ops.native_build() != first
+    fake.unlink()
+    assert ops.native_build() == "unknown"
+    monkeypatch.setattr(_native, "AVAILABLE", False)
+    assert ops.native_build() == "none"
+
+
 def test_best_isa_is_supported_and_default():
     supported = ops.supported_cpu_isas()
     assert CpuIsa.SCALAR in supported

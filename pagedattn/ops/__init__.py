@@ -45,7 +45,7 @@ from pagedattn.ops.isa import (
 )
 
 __all__ = [
-    "CpuIsa", "IsaHint", "native_available", "supported_cpu_isas", "best_cpu_isa",
+    "CpuIsa", "IsaHint", "native_available", "native_build", "supported_cpu_isas", "best_cpu_isa",
     "get_cpu_isa", "set_cpu_isa", "use_cpu_isa", "cpu_has_amx", "matrix_engine_available", "on_arm",
     "usable_isa_hints", "UnsupportedIsaHintError",
     "cpu_attn_get_scheduler_metadata", "cpu_attn_reshape_and_cache",
@@ -64,6 +64,13 @@ _warned_fallback = False
 def native_available() -> bool:
     """True when the native extension ``pagedattn._C`` is built and loaded."""
     return _native.AVAILABLE
+
+
+def native_build() -> str:
+    """Which build of the native extension is loaded (``none`` without one). Measured
+    kernel choices are keyed on it (:mod:`pagedattn.tuning`): a rebuilt or upgraded
+    extension measures them again."""
+    return _native.build_identity()
 
 
 def _fallback(op: str):

@@ -40,6 +40,19 @@ except ImportError as exc:  # not built, or built against another torch
     LOAD_ERROR = f"{type(exc).__name__}: {exc}"
 
 
+def build_identity() -> str:
+    """The loaded extension's file size and modification time (a stat, not a hash: it
+    runs once per model load); ``none`` when it is not loaded."""
+    path = getattr(sys.modules.get("pagedattn._C"), "__file__", None)
+    if not AVAILABLE or not path:
+        return "none"
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "unknown"
+    return f"{st.st_size}-{st.st_mtime_ns}"
+
+
 def metadata_numel(num_reqs: int) -> int:
     """Length of the scheduler metadata's header and per-request fields for ``num_reqs``
     requests: the whole tensor (the work partition follows) is at least this long."""
