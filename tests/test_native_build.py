@@ -52,7 +52,6 @@ def test_isa_names_parse_once_with_helpful_errors():
 
 
 @native
-@native
 def test_native_build_names_the_loaded_file_and_changes_with_it(tmp_path, monkeypatch):
     from pagedattn.ops import _native
     loaded = sys.modules["pagedattn._C"].__file__
@@ -72,6 +71,7 @@ def test_native_build_names_the_loaded_file_and_changes_with_it(tmp_path, monkey
     assert ops.native_build() == "none"
 
 
+@native
 def test_best_isa_is_supported_and_default():
     supported = ops.supported_cpu_isas()
     assert CpuIsa.SCALAR in supported
