@@ -88,21 +88,33 @@ def machine_busy() -> str | None:
 
 
 def best_of(candidates: Mapping[str, Callable[[], object]], *, deadline: float = math.inf,
-            min_rounds: int = 3, max_rounds: int = 50, budget_s: float = 0.03) -> dict[str, float]:
+            min_rounds: int = 3, max_rounds: int = 50, budget_s: float = 0.03,
+            keep_within: float | None = 2.0) -> dict[str, float]:
     """Best time (us) of each candidate: ``min_rounds`` rounds, then more (up to
     ``max_rounds``) while the rounds have used under ``budget_s``, so small calls get many
     tries and one no other process interrupted is among them. Candidates run in turns, one
     call each per round, so a burst of load hits them alike. Each is called once first
-    (first touch, JIT compiles), untimed."""
+    (first touch, JIT compiles), untimed.
+
+    A race, not a census: after each round a candidate whose best is over ``keep_within``
+    times the leader's is called no more (its best so far is what it reports), so the
+    rounds of a large call go to the candidates that can still win; the race ends when one
+    is left. ``None`` keeps every candidate to the end."""
     for fn in candidates.values():
         fn()
     best = dict.fromkeys(candidates, math.inf)
+    racing = dict(candidates)
     start = time.perf_counter()
     for i in range(max_rounds):
-        for name, fn in candidates.items():
+        for name, fn in racing.items():
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
+        if keep_within is not None:
+            cutoff = keep_within * min(best.values())
+            racing = {name: fn for name, fn in racing.items() if best[name] <= cutoff}
+        if len(racing) < 2:
+            break
         now = time.perf_counter()
         if now >= deadline or (i + 1 >= min_rounds and now - start >= budget_s):
             break
