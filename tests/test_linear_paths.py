@@ -448,6 +448,27 @@ def test_stale_or_corrupt_cache_is_remeasured_and_rewritten(cache_dir, damage):
 
 
 @needs_native
+def test_near_ties_go_to_the_layers_most_chosen_path(cache_dir, monkeypatch):
+    # scripted times per probe (us): "a" wins four buckets outright; "b" leads 33 rows
+    # by 3% (a near tie: "a" it is) and 129 rows by 10% (kept)
+    lead = {33: 1.03, 129: 1.10}
+
+    def scripted(layers, rows, deadline):
+        a, b = (p.value for p in layers[0].paths[:2])
+        times = {p.value: 1000.0 for p in layers[0].paths}
+        times[b] = 100.0
+        times[a] = 50.0 if rows not in lead else 100.0 * lead[rows]
+        return times
+    monkeypatch.setattr(lp, "time_paths", scripted)
+    plan = lp.install_linear_paths(small_net(), torch.float32, busy=False)
+    for choices in plan.shapes.values():
+        a, b = choices[0].path, choices[4].path
+        assert a != b
+        assert [c.path for c in choices] == [a, a, a, a, b, a]
+        assert all(c.source == "measured" for c in choices)
+
+
+@needs_native
 def test_unwritable_cache_is_reported_not_raised(cache_dir):
     (cache_dir / "linear-paths.json").mkdir(parents=True)  # a directory where the file goes
     plan = lp.install_linear_paths(small_net(), torch.float32, busy=False)

@@ -26,8 +26,8 @@ activations gives bf16-rounded logits (as vLLM's bf16 models do); ``dpbf16`` wri
 :func:`install_linear_paths` replaces a model's ``nn.Linear`` layers by
 :class:`MeasuredLinear` modules, times every candidate per distinct (in_features,
 out_features, weight dtype) at one row count per bucket (:data:`ROW_BUCKETS`), and keeps the
-fastest per bucket. Choices are cached in ``$XDG_CACHE_HOME/pagedattn/linear-paths.json``
-(default ``~/.cache``) under a key of CPU model, CPU flags, threads, torch version and the
+fastest per bucket (a near tie goes to the layer's most chosen path: :data:`NEAR_TIE`).
+Choices are cached in ``$XDG_CACHE_HOME/pagedattn/linear-paths.json`` (default ``~/.cache``) under a key of CPU model, CPU flags, threads, torch version and the
 kernels' ISA; a file with another key, or one that cannot be read, is ignored and rewritten.
 Choices measured while other processes load the cores are used but not cached.
 ``PAGEDATTN_LINEAR_PATH=<path>`` (or ``force=``) skips the measurement and uses one path.
@@ -35,6 +35,7 @@ Choices measured while other processes load the cores are used but not cached.
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import os
@@ -369,11 +370,12 @@ class LinearPlan:
 
 
 def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
-               min_rounds: int = 3, max_rounds: int = 50,
+               min_rounds: int = 5, max_rounds: int = 50,
                budget_s: float = 0.03) -> dict[str, float]:
     """Best time (us) of each path of ``layers`` (same shape and paths) on ``rows`` random
     rows: ``min_rounds`` rounds, then more (up to ``max_rounds``) while the rounds have
-    used under ``budget_s`` (:func:`tuning.best_of`, paths in turns). Each path's calls
+    used under ``budget_s`` (:func:`tuning.best_of`: paths in turns, those over twice the
+    leader's time dropped after any round, so that close paths get the rounds). Each path's calls
     cycle through ``layers``, so, as in a forward pass, a call seldom finds its weights in
     the core's own cache."""
     # own generator: tuning must not move the global RNG that seeded sampling draws from
@@ -389,6 +391,21 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
                           budget_s=budget_s)
 
 
+NEAR_TIE = 1.05
+"""A bucket whose fastest path is less than this factor ahead of the layer's most chosen
+path takes that path. One probe's best-of rounds differ by more than that between
+processes on a large layer (Gemma 3's output head at 33 rows: either path 18 or 25 ms, by
+whether its 34 MB output is page-faulted afresh), and a path fewer is a weight copy fewer."""
+
+
+def _prefer_common_path(choices: list[BucketChoice]) -> None:
+    counts = collections.Counter(c.path for c in choices)
+    common = counts.most_common(1)[0][0]
+    for c in choices:
+        if c.path != common and c.times_us[common] <= NEAR_TIE * c.times_us[c.path]:
+            c.path = common
+
+
 def _measure_shape(layers: list[MeasuredLinear], deadline: float) -> list[BucketChoice]:
     choices: list[BucketChoice | None] = []
     for bucket in ROW_BUCKETS:
@@ -398,6 +415,8 @@ def _measure_shape(layers: list[MeasuredLinear], deadline: float) -> list[Bucket
         times = time_paths(layers, bucket.probe, deadline)
         choices.append(BucketChoice(bucket.label, min(times, key=times.get), "measured", times))
     measured = [c for c in choices if c is not None]
+    if measured:
+        _prefer_common_path(measured)
     fallback = measured[-1].path if measured else layers[0].paths[0].value
     return [c if c is not None else BucketChoice(b.label, fallback, "unmeasured")
             for b, c in zip(ROW_BUCKETS, choices)]
