@@ -33,7 +33,9 @@ import torch
 from pagedattn import ops
 from pagedattn.machine import cache_dir, cpu_flags, cpu_model
 
-CACHE_FORMAT = 2  # 2: linear shape keys name the activation and output dtypes
+# 2: linear shape keys name the activation and output dtypes;
+# 3: linear choices made by best_of's race and the near-tie rule
+CACHE_FORMAT = 3
 
 
 def machine_key() -> dict:
