@@ -280,10 +280,29 @@ def test_a_well_formed_call_runs():
     (dict(style="gpt2"), ValueError, r"style must be 'llama' or 'gemma3', got 'gpt2'"),
     (dict(style="gemma3"), ValueError, r"norm_weights must hold 6 entries per layer"),
     (dict(cos_sin=[]), ValueError, r"cos_sin must hold 1 entries per layer"),
+    # rotary and the cache write: checked once per step, before any layer runs
+    (dict(positions=torch.tensor([8])), ValueError,
+     r"positions\[0\] \(8\) is outside cos_sin\[0\]'s \[0, 8\)"),
+    (dict(positions=torch.zeros(2, dtype=torch.long)), ValueError,
+     r"positions must hold one entry per token \(1\), got 2"),
+    (dict(positions=torch.zeros(1, dtype=torch.int32)), TypeError, r"positions must have dtype"),
+    (dict(slot_mapping=torch.tensor([32])), ValueError,
+     r"slot_mapping\[0\] \(32\) is out of range for kv_caches\[0\] of 32 slots"),
+    (dict(slot_mapping=torch.zeros(2, dtype=torch.long)), ValueError,
+     r"slot_mapping has 2 entries but there are only 1 tokens"),
+    (dict(kv_caches=[torch.zeros(2, 2, 1, 16, 32, dtype=torch.bfloat16)]), TypeError,
+     r"kv_caches\[0\] dtype .*BFloat16 must be the activations' \(Float\) or an fp8 format"),
+    (dict(kv_caches=[torch.zeros(2, 2, 2, 16, 32)]), ValueError,
+     r"kv_caches\[0\] shape .* does not match num_kv_heads 1 and head_size 32"),
+    (dict(kv_caches=[torch.zeros(2, 2, 16, 32)]), ValueError, r"kv_caches\[0\] must be \[2, "),
+    (dict(attn_scalars=[32 ** -0.5, 0.0, -1.0, 1.0]), ValueError,
+     r"k_scale must be a finite positive number, got -1"),
+    (dict(cos_sin=[torch.ones(8, 32, dtype=torch.float64)]), TypeError,
+     r"cos_sin tables must be float32"),
 ])
 def test_bad_arguments_are_named(change, error, message):
     args = stack_args()
-    if "kv_caches" in change:  # no layers: every per-layer list is empty too
+    if change.get("kv_caches") == []:  # no layers: every per-layer list is empty too
         args.update(norm_weights=[torch.ones(32)], linear_weights=[], linear_biases=[],
                     linear_paths=[], attn_scalars=[], windows=[], cos_sin=[])
     args.update(change)

@@ -39,6 +39,16 @@ at::Tensor packed_gated_linear_amx(const at::Tensor& x, const at::Tensor& packed
 void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                                 at::Tensor& key_cache, at::Tensor& value_cache,
                                 const at::Tensor& slot_mapping, double k_scale, double v_scale);
+// rotary_embedding then cpu_attn_reshape_and_cache in one pass over the tokens, the same
+// arithmetic in the same order (so the same bits), for the decoder stack, which checks the
+// arguments once per step: query [T, H, D] and key/value [T, KVH, D] (float32 or bfloat16,
+// last dim contiguous, key's dtype the query's and the cache's unless the cache is fp8),
+// positions[T] rows of cos_sin ([P, D] float32, contiguous), slots[n] (n <= T) in the
+// cache or negative.
+void rotate_and_cache_unchecked(const int64_t* positions, const float* cos_sin, at::Tensor& query,
+                                at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                                at::Tensor& value_cache, const int64_t* slots, int64_t n,
+                                double k_scale, double v_scale);
 void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, at::Tensor& output,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,

@@ -4,6 +4,7 @@
 // needs no ISA-specific code; all validation happens before the first write.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -119,6 +120,56 @@ void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                     [&](char* kdst, const char* ksrc, char* vdst, const char* vsrc) {
     std::memcpy(kdst, ksrc, row);
     std::memcpy(vdst, vsrc, row);
+  });
+}
+
+void rotate_and_cache_unchecked(const int64_t* positions, const float* cos_sin, at::Tensor& query,
+                                at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                                at::Tensor& value_cache, const int64_t* slots, int64_t n,
+                                double k_scale, double v_scale) {
+  const int64_t tokens = query.size(0), heads = query.size(1), kvh = key.size(1);
+  const int64_t hs = key_cache.size(3), half = hs / 2, bs = key_cache.size(2);
+  const DType dtype = query.scalar_type() == at::kFloat ? DType::kF32 : DType::kBF16;
+  const at::ScalarType st = query.scalar_type();
+  const int64_t es = query.element_size(), ces = key_cache.element_size(), row = hs * es;
+  const DType cache_dt = to_cache_dtype(key_cache.scalar_type(), "key_cache");
+  const auto quantize = !is_fp8(cache_dt) ? nullptr
+                        : cache_dt == DType::kFp8E4m3 ? &quantize_row_any<Fp8E4m3>
+                                                      : &quantize_row_any<Fp8E5m2>;
+  const auto ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  char* q = static_cast<char*>(query.data_ptr());
+  char* k = static_cast<char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const KernelTable* kt = current_kernels();
+  const int64_t grain = std::max<int64_t>(1, 65536 / ((heads + 2 * kvh) * hs));
+  at::parallel_for(0, tokens, grain, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* cos = cos_sin + positions[t] * hs;
+      kt->rotate_heads(q + t * query.stride(0) * es, dtype, heads, query.stride(1), cos,
+                       cos + half, half);
+      kt->rotate_heads(k + t * key.stride(0) * es, dtype, kvh, key.stride(1), cos, cos + half,
+                       half);
+      const int64_t slot = t < n ? slots[t] : -1;
+      if (slot < 0) continue;  // PAD_SLOT_ID, or a token without a slot
+      const int64_t blk = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < kvh; ++h) {
+        char* kdst = kc + (blk * key_cache.stride(0) + h * key_cache.stride(1) +
+                           off * key_cache.stride(2)) * ces;
+        char* vdst = vc + (blk * value_cache.stride(0) + h * value_cache.stride(1) +
+                           off * value_cache.stride(2)) * ces;
+        const char* ksrc = k + (t * key.stride(0) + h * key.stride(1)) * es;
+        const char* vsrc = v + (t * value.stride(0) + h * value.stride(1)) * es;
+        if (quantize != nullptr) {
+          quantize(reinterpret_cast<uint8_t*>(kdst), ksrc, st, hs, ks);
+          quantize(reinterpret_cast<uint8_t*>(vdst), vsrc, st, hs, vs);
+        } else {
+          std::memcpy(kdst, ksrc, row);
+          std::memcpy(vdst, vsrc, row);
+        }
+      }
+    }
   });
 }
 

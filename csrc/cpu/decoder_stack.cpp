@@ -184,6 +184,57 @@ at::Tensor decoder_stack(
   const int64_t tokens = x.size(0);
   if (output_rows.has_value()) check_index_tensor(*output_rows, "output_rows", at::kLong, 1);
 
+  // Rotary and the cache write run fused, on arguments checked here once for the step,
+  // where the attention takes the activations' dtype; else through their ops, per layer.
+  const bool fused_rotary_cache = attn_type == act_dtype;
+  at::Tensor positions_c, slots_c;
+  if (fused_rotary_cache) {
+    check_index_tensor(positions, "positions", at::kLong, 1);
+    TORCH_CHECK_VALUE(positions.size(0) == tokens, "positions must hold one entry per token (",
+                      tokens, "), got ", positions.size(0));
+    check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1);
+    TORCH_CHECK_VALUE(slot_mapping.size(0) <= tokens, "slot_mapping has ", slot_mapping.size(0),
+                      " entries but there are only ", tokens, " tokens");
+    positions_c = positions.contiguous();
+    slots_c = slot_mapping.contiguous();
+    const int64_t* pos = positions_c.data_ptr<int64_t>();
+    const int64_t* slot = slots_c.data_ptr<int64_t>();
+    for (size_t i = 0; i < cos_sin.size(); ++i) {
+      const at::Tensor& table = cos_sin[i];
+      check_cpu(table, "cos_sin");
+      TORCH_CHECK_TYPE(table.scalar_type() == at::kFloat, "cos_sin tables must be float32, got ",
+                       table.scalar_type());
+      TORCH_CHECK_VALUE(head_size % 2 == 0 && table.is_contiguous(), "cos_sin tables must be "
+                        "contiguous [max_positions, head_size] with an even head size, got shape ",
+                        table.sizes());
+      for (int64_t t = 0; t < tokens; ++t)
+        TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < table.size(0), "positions[", t, "] (", pos[t],
+                          ") is outside cos_sin[", i, "]'s [0, ", table.size(0), ")");
+    }
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const at::Tensor& kv = kv_caches[layer];
+      TORCH_CHECK_VALUE(kv.dim() == 5 && kv.size(0) == 2, "kv_caches[", layer, "] must be [2, "
+                        "num_blocks, num_kv_heads, block_size, head_size], got shape ", kv.sizes());
+      const at::Tensor key_cache = kv.select(0, 0), value_cache = kv.select(0, 1);
+      check_cache_pair(key_cache, value_cache);
+      const DType cache_dt = to_cache_dtype(key_cache.scalar_type(), "key_cache");
+      TORCH_CHECK_TYPE(key_cache.scalar_type() == act_dtype || is_fp8(cache_dt), "kv_caches[",
+                       layer, "] dtype ", key_cache.scalar_type(), " must be the activations' (",
+                       act_dtype, ") or an fp8 format");
+      TORCH_CHECK_VALUE(key_cache.size(1) == num_kv_heads && key_cache.size(3) == head_size,
+                        "kv_caches[", layer, "] shape ", kv.sizes(), " does not match num_kv_heads ",
+                        num_kv_heads, " and head_size ", head_size);
+      check_block_size(key_cache.size(2), "kv cache");
+      check_kv_scale(attn_scalars[layer * 4 + 2], "k_scale");
+      check_kv_scale(attn_scalars[layer * 4 + 3], "v_scale");
+      const int64_t capacity = key_cache.size(0) * key_cache.size(2);
+      for (int64_t i = 0; i < slot_mapping.size(0); ++i)
+        TORCH_CHECK_VALUE(slot[i] < capacity, "slot_mapping[", i, "] (", slot[i], ") is out of "
+                          "range for kv_caches[", layer, "] of ", capacity,
+                          " slots (negative = padding)");
+    }
+  }
+
   std::vector<LinearLayer> linears;
   linears.reserve(linear_paths.size());
   for (size_t i = 0; i < linear_paths.size(); ++i)
@@ -216,14 +267,21 @@ at::Tensor decoder_stack(
     }
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
                              .reshape({tokens, num_kv_heads, head_size});
-    rotary_embedding(positions, q, k, cos_sin[layer]);
-
     const double* s = &attn_scalars[layer * 4];  // scale, softcap, k_scale, v_scale
     at::Tensor key_cache = kv_caches[layer].select(0, 0);
     at::Tensor value_cache = kv_caches[layer].select(0, 1);
-    // attention in its own dtype where it differs (bf16 attention under fp32 activations)
-    const at::Tensor qa = q.to(attn_type), ka = k.to(attn_type), va = v.to(attn_type);
-    cpu_attn_reshape_and_cache(ka, va, key_cache, value_cache, slot_mapping, s[2], s[3]);
+    at::Tensor qa = q;
+    if (fused_rotary_cache) {
+      rotate_and_cache_unchecked(positions_c.data_ptr<int64_t>(), cos_sin[layer].data_ptr<float>(),
+                                 q, k, v, key_cache, value_cache, slots_c.data_ptr<int64_t>(),
+                                 slots_c.size(0), s[2], s[3]);
+    } else {
+      rotary_embedding(positions, q, k, cos_sin[layer]);
+      // attention in its own dtype (bf16 attention under fp32 activations)
+      qa = q.to(attn_type);
+      cpu_attn_reshape_and_cache(k.to(attn_type), v.to(attn_type), key_cache, value_cache,
+                                 slot_mapping, s[2], s[3]);
+    }
     at::Tensor attn = at::empty({tokens, num_heads, head_size}, qa.options());
     cpu_attention_with_kv_cache(qa, key_cache, value_cache, attn, query_start_loc, seq_lens, s[0],
                                 causal, std::nullopt, windows[layer * 2], windows[layer * 2 + 1],
