@@ -4,7 +4,8 @@
 // a dispatcher call and allocations per op, dozens of ops per layer, while the second
 // thread spins waiting for the next parallel region. Here the same ops run back to back:
 // the same kernels, called through their binding entry points in the same order with the
-// same arguments, so the result is bit for bit the Python loop's
+// same arguments (rotary and the cache write through one unchecked pass, on arguments
+// checked once per step), so the result is bit for bit the Python loop's
 // (pagedattn/models/llama.py: LlamaDecoderLayer.forward; pagedattn/models/gemma3.py:
 // Gemma3DecoderLayer.forward; MeasuredLinear's paths).
 // The caller (pagedattn/models/native_stack.py) decides per step whether a model and a
