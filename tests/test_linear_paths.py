@@ -8,10 +8,12 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedattn import ops
 from pagedattn.models import linear_paths as lp
+from pagedattn.models.layers import gate_up_linear
 from pagedattn.models.linear_paths import LinearPath, MeasuredLinear
 
 needs_native = pytest.mark.skipif(not ops.native_available(), reason="native extension not built")
@@ -466,6 +468,46 @@ def test_near_ties_go_to_the_layers_most_chosen_path(cache_dir, monkeypatch):
         assert a != b
         assert [c.path for c in choices] == [a, a, a, a, b, a]
         assert all(c.source == "measured" for c in choices)
+
+
+@needs_native
+def test_gate_up_projections_are_measured_as_they_run(cache_dir, monkeypatch):
+    # a gate/up projection's paths are timed with the activation (fused where a path fuses
+    # it), under a shape key of their own
+    torch.manual_seed(0)
+    net = nn.Sequential(gate_up_linear(24, 64, "silu"), nn.Linear(32, 24))
+    timed = []
+    gated_runner = lp.MeasuredLinear.gated_runner
+
+    def spy(self, path):
+        timed.append(self.shape_key)
+        return gated_runner(self, path)
+    monkeypatch.setattr(lp.MeasuredLinear, "gated_runner", spy)
+    plan = lp.install_linear_paths(net, torch.float32, busy=False)
+    assert list(plan.shapes) == ["24x64:float32:silu-gated", "32x24:float32"]
+    assert timed and set(timed) == {"24x64:float32:silu-gated"}
+
+
+@needs_native
+@pytest.mark.parametrize("activation, reference", [
+    ("silu", lambda g: F.silu(g)), ("gelu_tanh", lambda g: F.gelu(g, approximate="tanh"))])
+def test_every_paths_gated_runner_is_act_gate_times_up(activation, reference):
+    torch.manual_seed(0)
+    linear = gate_up_linear(24, 64, activation)
+    layer = MeasuredLinear(linear, torch.float32, lp.candidate_paths(torch.float32),
+                           gated_activation=activation)
+    x = torch.randn(5, 24)
+    gate, up = (x.double() @ linear.weight.double().T).chunk(2, dim=-1)
+    expected = (reference(gate) * up).float()
+    for path in layer.paths:
+        torch.testing.assert_close(layer.gated_runner(path)(x), expected, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{path.value}: {m}")
+
+
+def test_unknown_gated_activation_is_named():
+    with pytest.raises(ValueError, match=r"gated_activation must be one of .*got 'relu2'"):
+        MeasuredLinear(nn.Linear(4, 8), torch.float32, [LinearPath.TORCH],
+                       gated_activation="relu2")
 
 
 @needs_native

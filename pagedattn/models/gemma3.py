@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn import ops
-from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gated_projection,
-                                     keep_rows, native_dtypes)
+from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gate_up_linear,
+                                     gated_projection, keep_rows, native_dtypes)
 from pagedattn.models.loader import CheckpointNames, decoder_names, load_weights
 from pagedattn.models.native_stack import NativeStep
 
@@ -219,7 +219,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, act_dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, act_dtype)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = gate_up_linear(cfg.hidden_size, 2 * cfg.intermediate_size, "gelu_tanh")
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, act_dtype)
         self.mlp_native_dtypes = native_dtypes(act_dtype)

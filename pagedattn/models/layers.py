@@ -128,6 +128,16 @@ def fusable(x: torch.Tensor, out_features: int) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16))
 
 
+def gate_up_linear(in_features: int, out_features: int, activation: str) -> nn.Linear:
+    """A gated MLP's fused gate/up projection (no bias), tagged with its activation
+    (``gated_activation``), so that the linear paths' measurement times what runs:
+    ``act(gate) * up``, fused into the GEMM on the paths that can
+    (:func:`pagedattn.models.linear_paths.install_linear_paths`)."""
+    linear = nn.Linear(in_features, out_features, bias=False)
+    linear.gated_activation = activation
+    return linear
+
+
 def gated_projection(gate_up: nn.Module, x: torch.Tensor, activation: str,
                      act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """A gated MLP's ``act(gate) * up`` from its fused gate/up projection ``gate_up``.

@@ -54,6 +54,11 @@ from pagedattn.models.layers import fusable, replace_linear_layers
 
 FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
 
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": lambda x: ops.silu_and_mul(x), "gelu_tanh": lambda x: ops.gelu_tanh_and_mul(x)}
+"""A gated MLP's activations by name (:func:`pagedattn.models.layers.gate_up_linear`), and
+the native op that applies each to an unfused gate/up projection's output."""
+
 
 class LinearPath(str, enum.Enum):
     PACKED = "packed"
@@ -182,8 +187,13 @@ class MeasuredLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype,
                  paths: list[LinearPath], act_dtype: torch.dtype = torch.float32,
-                 out_dtype: torch.dtype | None = None) -> None:
+                 out_dtype: torch.dtype | None = None,
+                 gated_activation: str | None = None) -> None:
         super().__init__()
+        if gated_activation is not None and gated_activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"gated_activation must be one of {sorted(GATED_ACTIVATIONS)} "
+                             f"or None, got {gated_activation!r}")
+        self.gated_activation = gated_activation
         if act_dtype not in (torch.float32, torch.bfloat16) or (
                 act_dtype == torch.bfloat16 and weight_dtype != torch.bfloat16):
             raise ValueError(f"act_dtype must be float32, or bfloat16 with bfloat16 weights; "
@@ -216,6 +226,8 @@ class MeasuredLinear(nn.Module):
         key = f"{self.in_features}x{self.out_features}:{_dtype_name(self.weight_dtype)}"
         if (self.act_dtype, self.out_dtype) != (torch.float32, torch.float32):
             key += f":{_dtype_name(self.act_dtype)}->{_dtype_name(self.out_dtype)}"
+        if self.gated_activation is not None:
+            key += f":{self.gated_activation}-gated"
         return key
 
     def runner(self, path: LinearPath) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -270,9 +282,22 @@ class MeasuredLinear(nn.Module):
         """``act(gate) * up`` of this gate/up projection (see
         :func:`pagedattn.models.layers.gated_projection`): in one kernel when these rows
         run on the packed or the amx path, else the chosen path, then ``act_and_mul``."""
-        runner = self._runner_for(x.shape[0])
+        return self._gated_run(self._runner_for(x.shape[0]), x, activation, act_and_mul)
+
+    def gated_runner(self, path: LinearPath) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What :meth:`gated` runs on ``path`` for this layer's ``gated_activation`` (the
+        activation by its native op where not fused): the linear paths' measurement."""
+        act = self.gated_activation
+        act_and_mul = GATED_ACTIVATIONS[act]
+        runner = self.runner(path)
+        return lambda x: self._gated_run(runner, x, act, act_and_mul)
+
+    def _gated_run(self, runner: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                   activation: str, act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if runner not in (self._packed, self._amx) or not fusable(x, self.out_features):
-            return act_and_mul(self.forward(x))
+            if x.dim() != 2:
+                return act_and_mul(self.forward(x))
+            return act_and_mul(runner(x.to(self.act_dtype)))
         if runner == self._amx:
             return ops.packed_gated_linear_amx(x.to(self.act_dtype), self.dp_weight, self.bias,
                                                self.out_features, activation, self.out_dtype)
@@ -377,14 +402,17 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
     used under ``budget_s`` (:func:`tuning.best_of`: paths in turns, those over twice the
     leader's time dropped after any round, so that close paths get the rounds). Each path's calls
     cycle through ``layers``, so, as in a forward pass, a call seldom finds its weights in
-    the core's own cache."""
+    the core's own cache. A gated MLP's gate/up projection is timed as it runs: with its
+    activation, fused where the path fuses it."""
     # own generator: tuning must not move the global RNG that seeded sampling draws from
     x = torch.randn(rows, layers[0].in_features,
                     generator=torch.Generator().manual_seed(rows)).to(layers[0].act_dtype)
 
     def runs_through_layers(path: LinearPath) -> Callable[[], torch.Tensor]:
         calls = itertools.count()
-        return lambda: layers[next(calls) % len(layers)].runner(path)(x)
+        runners = [layer.gated_runner(path) if layer.gated_activation else layer.runner(path)
+                   for layer in layers]
+        return lambda: runners[next(calls) % len(runners)](x)
 
     return tuning.best_of({p.value: runs_through_layers(p) for p in layers[0].paths},
                           deadline=deadline, min_rounds=min_rounds, max_rounds=max_rounds,
@@ -512,7 +540,8 @@ def install_linear_paths(model: nn.Module, weight_dtype: torch.dtype,
 
     def make(linear: nn.Linear) -> MeasuredLinear:
         out = torch.float32 if linear is lm_head else act_dtype
-        return MeasuredLinear(linear, weight_dtype, paths, act_dtype, out)
+        return MeasuredLinear(linear, weight_dtype, paths, act_dtype, out,
+                              getattr(linear, "gated_activation", None))
 
     layers = replace_linear_layers(model, make)
     with torch.inference_mode():

@@ -17,8 +17,8 @@ from torch import nn
 
 from pagedattn.models.loader import CheckpointNames, decoder_names, load_weights
 from pagedattn.models.native_stack import NativeStep
-from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gated_projection,
-                                     keep_rows, native_dtypes, silu_and_mul)
+from pagedattn.models.layers import (PagedAttention, RMSNorm, RotaryEmbedding, gate_up_linear,
+                                     gated_projection, keep_rows, native_dtypes, silu_and_mul)
 
 DECODER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM"}
@@ -96,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(attn_impl, attn_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, act_dtype)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = gate_up_linear(cfg.hidden_size, 2 * cfg.intermediate_size, "silu")
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
