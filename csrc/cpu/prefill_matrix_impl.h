@@ -37,11 +37,24 @@ struct ProbVec {
   }
 };
 
+// A line requested for a store: on x86, prefetchw, which fetches it owned, so the store
+// that follows needs no second request. GCC turns __builtin_prefetch(p, 1, ...) into a
+// plain prefetcht0 unless the TU enables prfchw, which no ISA TU's target does; every
+// x86-64 CPU of these TUs runs prefetchw (older Intel ones as a no-op). At 4 x 512 the
+// matrix kernel ran about 4% faster with it than with prefetcht0 (docs/performance.md).
+inline void prefetch_line_for_write(const char* c) {
+#if defined(__x86_64__)
+  asm volatile("prefetchw %0" : : "m"(*c));
+#else
+  __builtin_prefetch(c, 1, 3);
+#endif
+}
+
 // Software prefetch of `bytes` from p into the caches (write: for a store).
 inline void prefetch_bytes(const void* p, int64_t bytes, bool write) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) {
-    if (write) __builtin_prefetch(c + o, 1, 3);
+    if (write) prefetch_line_for_write(c + o);
     else __builtin_prefetch(c + o, 0, 3);
   }
 }
