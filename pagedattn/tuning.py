@@ -98,10 +98,11 @@ def best_of(candidates: Mapping[str, Callable[[], object]], *, deadline: float =
     call each per round, so a burst of load hits them alike. Each is called once first
     (first touch, JIT compiles), untimed.
 
-    A race, not a census: after each round a candidate whose best is over ``keep_within``
-    times the leader's is called no more (its best so far is what it reports), so the
-    rounds of a large call go to the candidates that can still win; the race ends when one
-    is left. ``None`` keeps every candidate to the end."""
+    A race, not a census: from the second round on, a candidate whose best (of two calls
+    at least, so one disturbed call does not decide) is over ``keep_within`` times the
+    leader's is called no more (its best so far is what it reports), so the rounds of a
+    large call go to the candidates that can still win; the race ends when one is left.
+    ``None`` keeps every candidate to the end."""
     for fn in candidates.values():
         fn()
     best = dict.fromkeys(candidates, math.inf)
@@ -112,7 +113,7 @@ def best_of(candidates: Mapping[str, Callable[[], object]], *, deadline: float =
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
-        if keep_within is not None:
+        if keep_within is not None and i >= 1:
             cutoff = keep_within * min(best.values())
             racing = {name: fn for name, fn in racing.items() if best[name] <= cutoff}
         if len(racing) < 2:

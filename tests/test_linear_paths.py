@@ -450,6 +450,34 @@ def test_stale_or_corrupt_cache_is_remeasured_and_rewritten(cache_dir, damage):
 
 
 @needs_native
+def test_every_layer_runs_on_every_path_before_a_timed_call(cache_dir, monkeypatch):
+    # time_paths cycles through a shape's layers; each one's first call on a path (its
+    # weight cold) is made before the first timed round
+    called, seen_at_first_timing = set(), []
+    runner = lp.MeasuredLinear.runner
+
+    def spy_runner(self, path):
+        fn = runner(self, path)
+
+        def run(x):
+            called.add((id(self), path))
+            return fn(x)
+        return run
+    best_of = lp.tuning.best_of
+
+    def spy_best_of(candidates, **kwargs):
+        if not seen_at_first_timing:
+            seen_at_first_timing.append(set(called))
+        return best_of(candidates, **kwargs)
+    monkeypatch.setattr(lp.MeasuredLinear, "runner", spy_runner)
+    monkeypatch.setattr(lp.tuning, "best_of", spy_best_of)
+    net = nn.Sequential(*[nn.Linear(24, 24) for _ in range(3)])
+    lp.install_linear_paths(net, torch.float32, busy=False)
+    layers = list(net)
+    assert seen_at_first_timing[0] == {(id(m), p) for m in layers for p in lp.candidate_paths(torch.float32)}
+
+
+@needs_native
 def test_near_ties_go_to_the_layers_most_chosen_path(cache_dir, monkeypatch):
     # scripted times per probe (us): "a" wins four buckets outright; "b" leads 33 rows
     # by 3% (a near tie: "a" it is) and 129 rows by 10% (kept)

@@ -400,7 +400,7 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
     """Best time (us) of each path of ``layers`` (same shape and paths) on ``rows`` random
     rows: ``min_rounds`` rounds, then more (up to ``max_rounds``) while the rounds have
     used under ``budget_s`` (:func:`tuning.best_of`: paths in turns, those over twice the
-    leader's time dropped after any round, so that close paths get the rounds). Each path's calls
+    leader's time dropped from the second round on, so that close paths get the rounds). Each path's calls
     cycle through ``layers``, so, as in a forward pass, a call seldom finds its weights in
     the core's own cache. A gated MLP's gate/up projection is timed as it runs: with its
     activation, fused where the path fuses it."""
@@ -434,7 +434,18 @@ def _prefer_common_path(choices: list[BucketChoice]) -> None:
             c.path = common
 
 
+def _touch_every_layer(layers: Sequence[MeasuredLinear]) -> None:
+    """One call per path and layer: time_paths cycles through the layers, and a layer's
+    first call on a path costs up to twice its later ones (a 640x1536 bf16 layer at one
+    row, on the AMX host: 105-346 us against 54-123), which would be timed."""
+    x = torch.zeros(1, layers[0].in_features, dtype=layers[0].act_dtype)
+    for layer in layers:
+        for path in layer.paths:
+            (layer.gated_runner(path) if layer.gated_activation else layer.runner(path))(x)
+
+
 def _measure_shape(layers: list[MeasuredLinear], deadline: float) -> list[BucketChoice]:
+    _touch_every_layer(layers)
     choices: list[BucketChoice | None] = []
     for bucket in ROW_BUCKETS:
         if time.perf_counter() >= deadline:
