@@ -92,10 +92,19 @@ class RowBucket:
 
 
 # Fixed edges; the path per bucket is measured. Probes: the geometric middle of the bucket
-# (decode batches of 32 fall in 17-64; the open bucket is timed at 512 rows).
+# (decode batches of 32 fall in 17-64); the open bucket at 512 rows, or at a full prefill
+# chunk where that costs little (OPEN_BUCKET_CHUNK).
 ROW_BUCKETS = (RowBucket(1, 1, 1), RowBucket(2, 4, 3), RowBucket(5, 16, 9),
                RowBucket(17, 64, 33), RowBucket(65, 256, 129), RowBucket(257, None, 512))
 _DIRECT_ROWS = ROW_BUCKETS[-1].lo  # row counts below this index a list; the rest the last bucket
+
+OPEN_BUCKET_CHUNK = 2048
+"""The open bucket's rows are mostly prefill chunks of the engine's token budget (2048 by
+default), and the paths' order can differ there from 512 rows (Gemma 3's qkv projection:
+amx and onednn within 5% at 512 rows, onednn 40% ahead at 2048). So the open bucket is
+timed at this many rows wherever the 65-256 bucket's best time, scaled up, says a call
+takes under OPEN_BUCKET_CHUNK_MAX_S; else (a large output head) at its 512-row probe."""
+OPEN_BUCKET_CHUNK_MAX_S = 0.03
 
 
 def _bucket_index(rows: int) -> int:
@@ -451,7 +460,12 @@ def _measure_shape(layers: list[MeasuredLinear], deadline: float) -> list[Bucket
         if time.perf_counter() >= deadline:
             choices.append(None)
             continue
-        times = time_paths(layers, bucket.probe, deadline)
+        rows = bucket.probe
+        if bucket.hi is None and choices and choices[-1] is not None:
+            before = min(choices[-1].times_us.values()) * 1e-6 / ROW_BUCKETS[-2].probe
+            if before * OPEN_BUCKET_CHUNK <= OPEN_BUCKET_CHUNK_MAX_S:
+                rows = OPEN_BUCKET_CHUNK
+        times = time_paths(layers, rows, deadline)
         choices.append(BucketChoice(bucket.label, min(times, key=times.get), "measured", times))
     measured = [c for c in choices if c is not None]
     if measured:
