@@ -478,6 +478,21 @@ def test_every_layer_runs_on_every_path_before_a_timed_call(cache_dir, monkeypat
 
 
 @needs_native
+@pytest.mark.parametrize("us_at_129_rows, open_probe", [(100.0, lp.OPEN_BUCKET_CHUNK), (5000.0, 512)])
+def test_open_bucket_is_timed_at_a_prefill_chunk_where_cheap(cache_dir, monkeypatch,
+                                                             us_at_129_rows, open_probe):
+    probes = []
+
+    def scripted(layers, rows, deadline):
+        probes.append(rows)
+        return {p.value: (us_at_129_rows if rows == 129 else 10.0) + i
+                for i, p in enumerate(layers[0].paths)}
+    monkeypatch.setattr(lp, "time_paths", scripted)
+    lp.install_linear_paths(nn.Sequential(nn.Linear(24, 24)), torch.float32, busy=False)
+    assert probes == [1, 3, 9, 33, 129, open_probe]
+
+
+@needs_native
 def test_near_ties_go_to_the_layers_most_chosen_path(cache_dir, monkeypatch):
     # scripted times per probe (us): "a" wins four buckets outright; "b" leads 33 rows
     # by 3% (a near tie: "a" it is) and 129 rows by 10% (kept)
