@@ -27,8 +27,10 @@ activations gives bf16-rounded logits (as vLLM's bf16 models do); ``dpbf16`` wri
 :class:`MeasuredLinear` modules, times every candidate per distinct (in_features,
 out_features, weight dtype) at one row count per bucket (:data:`ROW_BUCKETS`), and keeps the
 fastest per bucket (a near tie goes to the layer's most chosen path: :data:`NEAR_TIE`).
-Choices are cached in ``$XDG_CACHE_HOME/pagedattn/linear-paths.json`` (default ``~/.cache``) under a key of CPU model, CPU flags, threads, torch version and the
-kernels' ISA; a file with another key, or one that cannot be read, is ignored and rewritten.
+Choices are cached in ``$XDG_CACHE_HOME/pagedattn/linear-paths.json`` (default
+``~/.cache``) under a key of CPU model, CPU flags, threads, torch version, the kernels' ISA
+and the extension's build; a file with another key, or one that cannot be read, is
+ignored and rewritten.
 Choices measured while other processes load the cores are used but not cached.
 ``PAGEDATTN_LINEAR_PATH=<path>`` (or ``force=``) skips the measurement and uses one path.
 """
@@ -101,7 +103,7 @@ _DIRECT_ROWS = ROW_BUCKETS[-1].lo  # row counts below this index a list; the res
 OPEN_BUCKET_CHUNK = 2048
 """The open bucket's rows are mostly prefill chunks of the engine's token budget (2048 by
 default), and the paths' order can differ there from 512 rows (Gemma 3's qkv projection:
-amx and onednn within 5% at 512 rows, onednn 40% ahead at 2048). So the open bucket is
+amx and onednn within 5% at 512 rows, onednn 15% ahead at 2048). So the open bucket is
 timed at this many rows wherever the 65-256 bucket's best time, scaled up, says a call
 takes under OPEN_BUCKET_CHUNK_MAX_S; else (a large output head) at its 512-row probe."""
 OPEN_BUCKET_CHUNK_MAX_S = 0.03
@@ -409,9 +411,9 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
     """Best time (us) of each path of ``layers`` (same shape and paths) on ``rows`` random
     rows: ``min_rounds`` rounds, then more (up to ``max_rounds``) while the rounds have
     used under ``budget_s`` (:func:`tuning.best_of`: paths in turns, those over twice the
-    leader's time dropped from the second round on, so that close paths get the rounds). Each path's calls
-    cycle through ``layers``, so, as in a forward pass, a call seldom finds its weights in
-    the core's own cache. A gated MLP's gate/up projection is timed as it runs: with its
+    leader's time dropped from the second round on, so that close paths get the rounds).
+    Each path's calls cycle through ``layers``, so, as in a forward pass, a call seldom
+    finds its weights in the core's own cache. A gated MLP's gate/up projection is timed as it runs: with its
     activation, fused where the path fuses it."""
     # own generator: tuning must not move the global RNG that seeded sampling draws from
     x = torch.randn(rows, layers[0].in_features,
