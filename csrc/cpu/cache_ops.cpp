@@ -31,32 +31,55 @@ void quantize_row_any(uint8_t* dst, const char* src, at::ScalarType t, int64_t n
   }
 }
 
-// Calls row(k_dst, k_src, v_dst, v_src) with the byte addresses of the cache rows and the
-// key/value rows of each (token with a slot, kv head), tokens [0, n) split over threads in
-// chunks of `grain` (a quantised row costs more than a copied one).
-template <class F>
-void for_each_slot_row(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                       at::Tensor& value_cache, const int64_t* slots, int64_t n, int64_t grain,
-                       const F& row) {
-  const int64_t kvh = key_cache.size(1), bs = key_cache.size(2);
-  const int64_t es = key.element_size(), ces = key_cache.element_size();
-  const auto* kp = static_cast<const char*>(key.data_ptr());
-  const auto* vp = static_cast<const char*>(value.data_ptr());
-  auto* kc = static_cast<char*>(key_cache.data_ptr());
-  auto* vc = static_cast<char*>(value_cache.data_ptr());
-  at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t slot = slots[i];
-      if (slot < 0) continue;  // PAD_SLOT_ID
-      const int64_t blk = slot / bs, off = slot % bs;
-      for (int64_t h = 0; h < kvh; ++h)
-        row(kc + (blk * key_cache.stride(0) + h * key_cache.stride(1) + off * key_cache.stride(2)) * ces,
-            kp + (i * key.stride(0) + h * key.stride(1)) * es,
-            vc + (blk * value_cache.stride(0) + h * value_cache.stride(1) + off * value_cache.stride(2)) * ces,
-            vp + (i * value.stride(0) + h * value.stride(1)) * es);
+// Byte addresses of the key/value rows of a token and of the cache rows of its slot.
+struct SlotRows {
+  const at::Tensor &key, &value, &key_cache, &value_cache;
+  const int64_t kvh, bs, es, ces;
+  const char *kp, *vp;
+  char *kc, *vc;
+  SlotRows(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache)
+      : key(k), value(v), key_cache(k_cache), value_cache(v_cache), kvh(k_cache.size(1)),
+        bs(k_cache.size(2)), es(k.element_size()), ces(k_cache.element_size()),
+        kp(static_cast<const char*>(k.data_ptr())), vp(static_cast<const char*>(v.data_ptr())),
+        kc(static_cast<char*>(k_cache.data_ptr())), vc(static_cast<char*>(v_cache.data_ptr())) {}
+
+  // Calls row(k_dst, k_src, v_dst, v_src) for each kv head of token i, cached at slot >= 0.
+  template <class F>
+  void token(int64_t i, int64_t slot, const F& row) const {
+    const int64_t blk = slot / bs, off = slot % bs;
+    for (int64_t h = 0; h < kvh; ++h)
+      row(kc + (blk * key_cache.stride(0) + h * key_cache.stride(1) + off * key_cache.stride(2)) * ces,
+          kp + (i * key.stride(0) + h * key.stride(1)) * es,
+          vc + (blk * value_cache.stride(0) + h * value_cache.stride(1) + off * value_cache.stride(2)) * ces,
+          vp + (i * value.stride(0) + h * value.stride(1)) * es);
+  }
+};
+
+// One key row and one value row into the cache: copied, or for fp8 caches quantised.
+struct RowWriter {
+  void (*quantize)(uint8_t*, const char*, at::ScalarType, int64_t, float) = nullptr;
+  at::ScalarType src;
+  int64_t hs, row_bytes;
+  float ks, vs;
+  RowWriter(DType cache_dt, const at::Tensor& key, int64_t head_size, double k_scale,
+            double v_scale)
+      : src(key.scalar_type()), hs(head_size), row_bytes(head_size * key.element_size()),
+        ks(static_cast<float>(k_scale)), vs(static_cast<float>(v_scale)) {
+    if (is_fp8(cache_dt))
+      quantize = cache_dt == DType::kFp8E4m3 ? &quantize_row_any<Fp8E4m3> : &quantize_row_any<Fp8E5m2>;
+  }
+  // Tokens per thread chunk: a quantised row costs more than a copied one.
+  int64_t grain() const { return quantize != nullptr ? 16 : 64; }
+  void operator()(char* kdst, const char* ksrc, char* vdst, const char* vsrc) const {
+    if (quantize != nullptr) {
+      quantize(reinterpret_cast<uint8_t*>(kdst), ksrc, src, hs, ks);
+      quantize(reinterpret_cast<uint8_t*>(vdst), vsrc, src, hs, vs);
+    } else {
+      std::memcpy(kdst, ksrc, row_bytes);
+      std::memcpy(vdst, vsrc, row_bytes);
     }
-  });
-}
+  }
+};
 }  // namespace
 
 void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
@@ -103,23 +126,11 @@ void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                       " slots (max ", num_slots - 1, "; negative = padding)");
   if (n == 0) return;
 
-  if (is_fp8(cache_dt)) {
-    const auto quantize = cache_dt == DType::kFp8E4m3 ? &quantize_row_any<Fp8E4m3>
-                                                      : &quantize_row_any<Fp8E5m2>;
-    const at::ScalarType st = key.scalar_type();
-    const auto ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
-    for_each_slot_row(key, value, key_cache, value_cache, slots, n, 16,
-                      [&](char* kdst, const char* ksrc, char* vdst, const char* vsrc) {
-      quantize(reinterpret_cast<uint8_t*>(kdst), ksrc, st, hs, ks);
-      quantize(reinterpret_cast<uint8_t*>(vdst), vsrc, st, hs, vs);
-    });
-    return;
-  }
-  const int64_t row = hs * key.element_size();
-  for_each_slot_row(key, value, key_cache, value_cache, slots, n, 64,
-                    [&](char* kdst, const char* ksrc, char* vdst, const char* vsrc) {
-    std::memcpy(kdst, ksrc, row);
-    std::memcpy(vdst, vsrc, row);
+  const SlotRows rows(key, value, key_cache, value_cache);
+  const RowWriter write(cache_dt, key, hs, k_scale, v_scale);
+  at::parallel_for(0, n, write.grain(), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      if (slots[i] >= 0) rows.token(i, slots[i], write);  // negative: PAD_SLOT_ID
   });
 }
 
@@ -128,20 +139,14 @@ void rotate_and_cache_unchecked(const int64_t* positions, const float* cos_sin, 
                                 at::Tensor& value_cache, const int64_t* slots, int64_t n,
                                 double k_scale, double v_scale) {
   const int64_t tokens = query.size(0), heads = query.size(1), kvh = key.size(1);
-  const int64_t hs = key_cache.size(3), half = hs / 2, bs = key_cache.size(2);
+  const int64_t hs = key_cache.size(3), half = hs / 2;
   const DType dtype = query.scalar_type() == at::kFloat ? DType::kF32 : DType::kBF16;
-  const at::ScalarType st = query.scalar_type();
-  const int64_t es = query.element_size(), ces = key_cache.element_size(), row = hs * es;
-  const DType cache_dt = to_cache_dtype(key_cache.scalar_type(), "key_cache");
-  const auto quantize = !is_fp8(cache_dt) ? nullptr
-                        : cache_dt == DType::kFp8E4m3 ? &quantize_row_any<Fp8E4m3>
-                                                      : &quantize_row_any<Fp8E5m2>;
-  const auto ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  const int64_t es = query.element_size();
   char* q = static_cast<char*>(query.data_ptr());
   char* k = static_cast<char*>(key.data_ptr());
-  const char* v = static_cast<const char*>(value.data_ptr());
-  char* kc = static_cast<char*>(key_cache.data_ptr());
-  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const SlotRows rows(key, value, key_cache, value_cache);
+  const RowWriter write(to_cache_dtype(key_cache.scalar_type(), "key_cache"), key, hs, k_scale,
+                        v_scale);
   const KernelTable* kt = current_kernels();
   const int64_t grain = std::max<int64_t>(1, 65536 / ((heads + 2 * kvh) * hs));
   at::parallel_for(0, tokens, grain, [&](int64_t b, int64_t e) {
@@ -151,24 +156,8 @@ void rotate_and_cache_unchecked(const int64_t* positions, const float* cos_sin, 
                        cos + half, half);
       kt->rotate_heads(k + t * key.stride(0) * es, dtype, kvh, key.stride(1), cos, cos + half,
                        half);
-      const int64_t slot = t < n ? slots[t] : -1;
-      if (slot < 0) continue;  // PAD_SLOT_ID, or a token without a slot
-      const int64_t blk = slot / bs, off = slot % bs;
-      for (int64_t h = 0; h < kvh; ++h) {
-        char* kdst = kc + (blk * key_cache.stride(0) + h * key_cache.stride(1) +
-                           off * key_cache.stride(2)) * ces;
-        char* vdst = vc + (blk * value_cache.stride(0) + h * value_cache.stride(1) +
-                           off * value_cache.stride(2)) * ces;
-        const char* ksrc = k + (t * key.stride(0) + h * key.stride(1)) * es;
-        const char* vsrc = v + (t * value.stride(0) + h * value.stride(1)) * es;
-        if (quantize != nullptr) {
-          quantize(reinterpret_cast<uint8_t*>(kdst), ksrc, st, hs, ks);
-          quantize(reinterpret_cast<uint8_t*>(vdst), vsrc, st, hs, vs);
-        } else {
-          std::memcpy(kdst, ksrc, row);
-          std::memcpy(vdst, vsrc, row);
-        }
-      }
+      // negative: PAD_SLOT_ID; past n: a token without a slot
+      if (t < n && slots[t] >= 0) rows.token(t, slots[t], write);
     }
   });
 }

@@ -57,7 +57,7 @@ from pagedattn.models.layers import fusable, replace_linear_layers
 FORCE_ENV = "PAGEDATTN_LINEAR_PATH"
 
 GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": lambda x: ops.silu_and_mul(x), "gelu_tanh": lambda x: ops.gelu_tanh_and_mul(x)}
+    "silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
 """A gated MLP's activations by name (:func:`pagedattn.models.layers.gate_up_linear`), and
 the native op that applies each to an unfused gate/up projection's output."""
 
@@ -295,6 +295,10 @@ class MeasuredLinear(nn.Module):
         run on the packed or the amx path, else the chosen path, then ``act_and_mul``."""
         return self._gated_run(self._runner_for(x.shape[0]), x, activation, act_and_mul)
 
+    def timed_runner(self, path: LinearPath) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What the engine runs on ``path``: with the activation, for a gate/up projection."""
+        return self.gated_runner(path) if self.gated_activation else self.runner(path)
+
     def gated_runner(self, path: LinearPath) -> Callable[[torch.Tensor], torch.Tensor]:
         """What :meth:`gated` runs on ``path`` for this layer's ``gated_activation`` (the
         activation by its native op where not fused): the linear paths' measurement."""
@@ -421,8 +425,7 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
 
     def runs_through_layers(path: LinearPath) -> Callable[[], torch.Tensor]:
         calls = itertools.count()
-        runners = [layer.gated_runner(path) if layer.gated_activation else layer.runner(path)
-                   for layer in layers]
+        runners = [layer.timed_runner(path) for layer in layers]
         return lambda: runners[next(calls) % len(runners)](x)
 
     return tuning.best_of({p.value: runs_through_layers(p) for p in layers[0].paths},
@@ -452,7 +455,7 @@ def _touch_every_layer(layers: Sequence[MeasuredLinear]) -> None:
     x = torch.zeros(1, layers[0].in_features, dtype=layers[0].act_dtype)
     for layer in layers:
         for path in layer.paths:
-            (layer.gated_runner(path) if layer.gated_activation else layer.runner(path))(x)
+            layer.timed_runner(path)(x)
 
 
 def _measure_shape(layers: list[MeasuredLinear], deadline: float) -> list[BucketChoice]:
