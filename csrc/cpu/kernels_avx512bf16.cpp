@@ -9,6 +9,7 @@
 namespace pagedattn {
 namespace {
 #include "vec_scalar.h"
+#define PAGEDATTN_AVX512_BF16_CONVERT 1  // vec_avx512.h: bf16 stores in one instruction
 #include "vec_avx512.h"
 #include "vec_avx2.h"
 #include "attn_kernel_impl.h"
