@@ -288,9 +288,9 @@ def test_packed_bf16_linear_compiles_fullgraph(op_name):
 @pytest.mark.parametrize("k", [2, 31, 32, 64, 100, 576, 4096])
 def test_packed_linear_amx_rows_and_depths(rows, k):
     """The tile loop's edges against float64: 16-row tiles and 32-row blocks with their
-    leftover rows, row chunks (64 rows at 4096 features), K steps of 32 features with a zero-padded last one (and
-    an odd k's padded pair), an odd panel count (the last pair has one panel) and a width
-    off the panel."""
+    leftover rows, row chunks (64 rows at 4096 features), K steps of 32 features with a
+    zero-padded last one (and an odd k's padded pair), an odd panel count (the last pair
+    has one panel) and a width off the panel."""
     linear, _ = bf16_op("amx")
     n = 40
     gen = torch.Generator().manual_seed(rows * 1000 + k)

@@ -133,6 +133,15 @@ inline void linear_block(int64_t full_steps, bool has_tail, RowTile a0, RowTile 
       if constexpr (TwoN) _tile_dpbf16ps(3, 5, 7);
     }
   };
+  // The panels' step s + kPrefetchSteps into L1 (first row block of a chunk only).
+  const auto prefetch_panels = [&](int64_t s) {
+    const char* f0 = reinterpret_cast<const char*>(B0 + (s + kPrefetchSteps) * 512);
+    const char* f1 = reinterpret_cast<const char*>(B1 + (s + kPrefetchSteps) * 512);
+    for (int l = 0; l < 1024; l += 64) {
+      _mm_prefetch(f0 + l, _MM_HINT_T0);
+      if constexpr (TwoN) _mm_prefetch(f1 + l, _MM_HINT_T0);
+    }
+  };
   if constexpr (TwoM && TwoN) {
     // Software-pipelined: a tile register has no renaming, so each load of the next K
     // step is issued right after the last product that reads the register it overwrites,
@@ -146,14 +155,7 @@ inline void linear_block(int64_t full_steps, bool has_tail, RowTile a0, RowTile 
     _tile_loadd(7, b1_of(0), 64);
     _tile_stream_loadd(5, a1.rows, a1.stride);
     for (int64_t s = 0; s < steps; ++s) {
-      if (prefetch && s < full_steps) {
-        const char* f0 = reinterpret_cast<const char*>(B0 + (s + kPrefetchSteps) * 512);
-        const char* f1 = reinterpret_cast<const char*>(B1 + (s + kPrefetchSteps) * 512);
-        for (int l = 0; l < 1024; l += 64) {
-          _mm_prefetch(f0 + l, _MM_HINT_T0);
-          _mm_prefetch(f1 + l, _MM_HINT_T0);
-        }
-      }
+      if (prefetch && s < full_steps) prefetch_panels(s);
       const bool more = s + 1 < steps;
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
@@ -173,14 +175,7 @@ inline void linear_block(int64_t full_steps, bool has_tail, RowTile a0, RowTile 
     return;
   }
   for (int64_t s = 0; s < full_steps; ++s) {
-    if (prefetch) {
-      const char* f0 = reinterpret_cast<const char*>(B0 + (s + kPrefetchSteps) * 512);
-      const char* f1 = reinterpret_cast<const char*>(B1 + (s + kPrefetchSteps) * 512);
-      for (int l = 0; l < 1024; l += 64) {
-        _mm_prefetch(f0 + l, _MM_HINT_T0);
-        if constexpr (TwoN) _mm_prefetch(f1 + l, _MM_HINT_T0);
-      }
-    }
+    if (prefetch) prefetch_panels(s);
     step(s, B0 + s * 512, B1 + s * 512);
   }
   if (has_tail) step(full_steps, tail, tail + 512);

@@ -72,8 +72,8 @@ struct VecAvx512 {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    // y * 2^n in one vscalefps, not four integer steps: the same bits for every fp32 input
-    // (checked exhaustively against the integer form, 2026-11-29)
+    // y * 2^n in one vscalefps rather than building 2^n's bits: the same result for every
+    // fp32 input (docs/performance.md)
     return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), y, n);
   }
 
