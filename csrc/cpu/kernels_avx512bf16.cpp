@@ -16,10 +16,6 @@ namespace {
 #include "matrix_avx2.h"
 #include "matrix_avx512.h"
 template <>
-inline void ProbVecAvx512<true>::store_bf16(bf16_t* dst, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
-}
-template <>
 inline void ProbVecAvx512<true>::store_bf16_pair(bf16_t* dst, __m512 lo, __m512 hi) {
   _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }

@@ -127,13 +127,10 @@ struct ProbVecAvx512 {
     x = _mm512_max_ps(_mm512_set1_ps(-125.f), x);
     return _mm512_scalef_ps(poly(x), x);
   }
-  static void store_bf16(bf16_t* dst, __m512 v);
+  // The TU's own bf16 store (vcvtneps2bf16 where it has avx512bf16: vec_avx512.h).
+  static void store_bf16(bf16_t* dst, __m512 v) { VecAvx512::cvt_store(dst, v); }
   static void store_bf16_pair(bf16_t* dst, __m512 lo, __m512 hi);
 };
-template <>
-inline void ProbVecAvx512<false>::store_bf16(bf16_t* dst, __m512 v) {
-  VecAvx512::cvt_store(dst, v);
-}
 template <>
 inline void ProbVecAvx512<false>::store_bf16_pair(bf16_t* dst, __m512 lo, __m512 hi) {
   VecAvx512::cvt_store(dst, lo);
