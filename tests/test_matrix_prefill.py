@@ -2,8 +2,8 @@
 reference, over the feature grid, under every ISA this CPU executes.
 
 Prefill items of at least 16 rows on one kv head take the matrix kernel; decodes in the
-same batches stay on the vector kernels, so mixed batches check that both paths write
-their own rows. The batches are those of ``test_cpu_ops`` (unused cache slots NaN, random
+same batches stay on the vector kernels (their bf16 q.k on the AMX tiles where our tile
+loop runs), so mixed batches check that both paths write their own rows. The batches are those of ``test_cpu_ops`` (unused cache slots NaN, random
 block tables), so a read outside a request's keys poisons the output.
 """
 
@@ -342,3 +342,70 @@ def test_profile_prefill_script_reports_the_split(tmp_path):
         row["core_ns_per_pair"] - row["gemm_ns_per_pair"])
     own_tiles = torch.ops.pagedattn.matrix_engine_bf16_microkernel() == "tiles"
     assert set(row["ms"]) == {"pagedattn", "vector"} | ({"brgemm"} if own_tiles else set())
+
+
+# Decode rows on our AMX tiles (MatrixEngine::decode_scores_bf16): under the 'amx' hint, bf16
+# q.k of items with few rows runs as S^T = K . Q^T, the cache's key rows read as A tiles in
+# place. Decodes, 3-token spec decodes (more than 8 rows a kv head at 8 query heads a kv
+# head: two tile calls), the vector path's fallbacks (head size 80, block size 8).
+DECODE_TILE_BATCH = BatchSpec("decode_tiles", (37, 300, 129), (1, 3, 1))
+
+
+@pytest.mark.parametrize("cache_name", CACHES)
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 128), (256, 32), (80, 16),
+                                                  (64, 8)], ids=lambda v: str(v))
+@pytest.mark.parametrize("heads", [(9, 3), (16, 2), (4, 4)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_decodes_over_the_grid(isa, heads, head_size, block_size, feature, cache_name):
+    batch, scales = with_fp8_cache(
+        case_inputs(DECODE_TILE_BATCH, "bf16", head_size, block_size, *heads), cache_name)
+    args = feature_args(feature, heads[0], head_size)
+    got = run_native(batch, args, block_size=block_size, hint=MATRIX, **scales)
+    assert_matches_reference(got, run_reference(batch, args, **scales), torch.bfloat16)
+
+
+def _decode_tiles_run_here():
+    if torch.ops.pagedattn.matrix_engine_bf16_microkernel() != "tiles":
+        pytest.skip("decode scores run on our AMX tiles, which need a CPU with AMX-BF16 tiles "
+                    "the OS grants")
+
+
+@pytest.mark.parametrize("keys", [16, 48, 128])
+@pytest.mark.parametrize("head_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+def test_decode_scores_are_fp32_sums_of_exact_products(rows, head_size, keys):
+    """Every (row, key) of the transposed product lands at S[row, key], for the 4- and
+    8-column tiles, odd and even group counts, and key rows further apart than D."""
+    _decode_tiles_run_here()
+    gen = torch.Generator().manual_seed(rows * 1000 + head_size + keys)
+    q = torch.randn(rows, head_size, generator=gen).bfloat16()
+    rows_of_keys = torch.randn(keys, head_size + 32, generator=gen).bfloat16()
+    k = rows_of_keys[:, :head_size]
+    got = torch.ops.pagedattn.matrix_engine_decode_scores(q, k)
+    torch.testing.assert_close(got.double(), q.double() @ k.double().T, rtol=1e-5, atol=1e-4)
+
+
+def test_decode_scores_follow_the_tile_switch():
+    """The tiles switched off (matrix_engine_use_own_tiles) take decode scores with them."""
+    _decode_tiles_run_here()
+    q = torch.ones(1, 32, dtype=torch.bfloat16)
+    k = torch.ones(16, 32, dtype=torch.bfloat16)
+    assert torch.equal(torch.ops.pagedattn.matrix_engine_decode_scores(q, k),
+                       torch.full((1, 16), 32.0))
+    with bf16_microkernel("brgemm"), pytest.raises(NotImplementedError, match="AMX tiles"):
+        torch.ops.pagedattn.matrix_engine_decode_scores(q, k)
+
+
+@pytest.mark.parametrize("q,k,error,match", [
+    (torch.zeros(9, 32), torch.zeros(16, 32), TypeError, "must be bfloat16"),
+    (torch.zeros(9, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16),
+     ValueError, r"R \(9\) must be in \[1, 8\]"),
+    (torch.zeros(2, 48, dtype=torch.bfloat16), torch.zeros(16, 48, dtype=torch.bfloat16),
+     ValueError, r"D \(48\) must be a positive multiple of 32"),
+    (torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(24, 32, dtype=torch.bfloat16),
+     ValueError, r"key count \(24\) must be a positive multiple of 16"),
+], ids=["dtype", "rows", "head-size", "keys"])
+def test_decode_scores_reject_bad_operands(q, k, error, match):
+    _decode_tiles_run_here()
+    with pytest.raises(error, match=match):
+        torch.ops.pagedattn.matrix_engine_decode_scores(q, k)

@@ -354,6 +354,7 @@ struct AttnKernel {
     E* kpad;       // [W, D] padded key group
     E* kconv;      // [BS, D] decoded K (fp8)
     E* vconv;      // [BS, D] decoded V (fp8)
+    uint32_t* qt;  // the rows as decode_scores_bf16's B tiles (TileScores)
     int lds;
   };
   static Scratch carve(float* scratch, int R, int D, int BS) {
@@ -370,6 +371,8 @@ struct AttnKernel {
     s.kpad = reinterpret_cast<E*>((reinterpret_cast<uintptr_t>(s.pos + R) + 63) / 64 * 64);
     s.kconv = reinterpret_cast<E*>((reinterpret_cast<uintptr_t>(s.kpad + W * D) + 63) / 64 * 64);
     s.vconv = s.kconv + static_cast<int64_t>(BS) * D;
+    s.qt = reinterpret_cast<uint32_t*>(
+        (reinterpret_cast<uintptr_t>(s.vconv + static_cast<int64_t>(BS) * D) + 63) / 64 * 64);
     return s;
   }
 
@@ -422,6 +425,52 @@ struct AttnKernel {
     return KeyRange{ulo, uhi};
   }
 
+  // q.k on the AMX tiles (MatrixEngine::decode_scores_bf16), where the engine has them and
+  // q.k reads bf16 rows: scores come out of one tile product per 16 keys and 32 dims, for
+  // up to kDecodeTileRows rows at once, instead of a dot product and a lane reduction per
+  // (row, key). Blocks must hold whole groups of 16 keys. Not in batch-invariant plans,
+  // which keep every row on the generic path.
+  struct TileScores {
+    bool on = false;
+    const MatrixEngine* engine = nullptr;
+    const uint32_t* qt = nullptr;
+    int Rh = 0, D = 0;
+    int64_t head_words = 0, chunk_words = 0;
+    TileScores(const AttnParams& p, const WorkItem& it, const Scratch& s, int rows_per_head) {
+      if constexpr (std::is_same<QElem, bf16_t>::value && std::is_same<E, bf16_t>::value) {
+        if (p.matrix == nullptr || p.matrix->decode_scores_bf16 == nullptr || p.row_invariant ||
+            p.head_size % 32 != 0 || p.block_size % 16 != 0)
+          return;
+        on = true;
+        engine = p.matrix;
+        qt = s.qt;
+        Rh = rows_per_head;
+        D = p.head_size;
+        chunk_words = int64_t{D} / 2 * 8;
+        head_words = (Rh + kDecodeTileRows - 1) / kDecodeTileRows * chunk_words;
+        for (int h = 0; h < it.heads(); ++h)
+          for (int c = 0; c * kDecodeTileRows < Rh; ++c) {
+            const int r = h * Rh + c * kDecodeTileRows;
+            pack_decode_queries(s.qp + static_cast<int64_t>(r) * D,
+                                std::min(kDecodeTileRows, Rh - c * kDecodeTileRows), D,
+                                s.qt + h * head_words + c * chunk_words);
+          }
+      }
+    }
+    // Head h's rows against keys [t0, t1) of a block: S[r, t] for t in whole groups of 16.
+    void scores(int h, const E* k, int64_t kst, int t0, int t1, float* S, int lds) const {
+      if constexpr (std::is_same<E, bf16_t>::value) {
+        const int ta = t0 / 16 * 16;
+        const int groups = (t1 - ta + 15) / 16;
+        for (int c = 0; c * kDecodeTileRows < Rh; ++c)
+          engine->decode_scores_bf16(
+              reinterpret_cast<const bf16_t*>(qt + h * head_words + c * chunk_words),
+              std::min(kDecodeTileRows, Rh - c * kDecodeTileRows), k + ta * kst, kst, groups, D,
+              S + static_cast<int64_t>(c) * kDecodeTileRows * lds + ta, lds);
+      }
+    }
+  };
+
   // q.k, online softmax and P.V over the blocks holding keys [ulo, uhi], one (block, head)
   // step at a time, prefetching later steps' K/V.
   static void attend_blocks(const AttnParams& p, const WorkItem& it, Scratch s,
@@ -440,6 +489,7 @@ struct AttnKernel {
     // prefetchers keep losing the stream), so software-prefetch K/V into L2 ~16 KiB
     // ahead, evenly over the step (see PrefetchCursor; 16-32 KiB beat 64-128 KiB once
     // spread). Steps are (block, head) pairs in the order they are computed.
+    const TileScores tiles(p, it, s, Rh);
     const int64_t first = ulo / BS, last = uhi / BS;
     const int64_t k_bytes = static_cast<int64_t>(BS) * p.k_stride_tok * sizeof(C);
     const int64_t v_bytes = static_cast<int64_t>(BS) * p.v_stride_tok * sizeof(C);
@@ -490,8 +540,9 @@ struct AttnKernel {
         kst = vst = D;
       }
       const int r0 = h * Rh;
-      pf.pace(qk_ticks(Rh, t0, t1) + PvT::ticks(Rh, t0, t1, D));
-      qk(s.qp + r0 * D, Rh, ke, kst, t0, t1, s.S, lds, D, BS, s.kpad, pf);
+      pf.pace((tiles.on ? 0 : qk_ticks(Rh, t0, t1)) + PvT::ticks(Rh, t0, t1, D));
+      if (tiles.on) tiles.scores(h, ke, kst, t0, t1, s.S, lds);
+      else qk(s.qp + r0 * D, Rh, ke, kst, t0, t1, s.S, lds, D, BS, s.kpad, pf);
       for (int r = 0; r < Rh; ++r)
         softmax_row(p, tr, (it.kv_head + h) * G + r % G, s.S + r * lds, base, t0, t1, s.lo[r],
                     s.hi[r], s.pos[r], s.m + r0 + r, s.l + r0 + r, s.acc + (r0 + r) * D, D);

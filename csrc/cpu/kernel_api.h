@@ -176,7 +176,29 @@ struct MatrixEngine {
   void (*gemm_bf16_vnni)(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
                          int64_t ldc, bool add, const bf16_t* A, const bf16_t* B,
                          float* C) = nullptr;
+  // Decode scores on the AMX tiles: S[r * lds + i] = q_r . k_i (fp32 sums of exact bf16
+  // products) for rows r < R <= kDecodeTileRows and keys i < 16 * groups, key i's row at
+  // k + i * kst (every row of each group is read). qt: the rows as pack_decode_queries
+  // lays them out. D a multiple of 32. nullptr where our tile loop does not run.
+  void (*decode_scores_bf16)(const bf16_t* qt, int R, const bf16_t* k, int64_t kst, int groups,
+                             int D, float* S, int lds) = nullptr;
 };
+
+// Query rows per decode_scores_bf16 call, and the columns of its score tiles for R rows.
+constexpr int kDecodeTileRows = 8;
+inline int decode_tile_cols(int R) { return R <= 4 ? 4 : 8; }
+// decode_scores_bf16's qt for rows q[r * D, (r + 1) * D), r < R: the tiles' B operand, one
+// [16, N] tile of 32-bit words per 32 dims (N = decode_tile_cols(R)), whose word (p, n) is
+// dims 2p and 2p + 1 of the chunk in row n (zero for n >= R). D / 2 * N words.
+inline void pack_decode_queries(const bf16_t* q, int R, int D, uint32_t* qt) {
+  const int N = decode_tile_cols(R);
+  for (int w = 0; w < D / 2; ++w)
+    for (int n = 0; n < N; ++n) {
+      uint32_t word = 0;
+      if (n < R) __builtin_memcpy(&word, q + n * D + 2 * w, sizeof(word));
+      qt[w * N + n] = word;
+    }
+}
 
 // The matrix-engine prefill kernel (prefill_matrix_impl.h). The fewest rows an item needs
 // to take it (decode items and short tails stay on the vector kernels, which the GEMMs'
@@ -299,7 +321,8 @@ inline size_t attn_scratch_floats(int64_t max_rows, int64_t head_size, int64_t b
                              max_rows * (block_size + pad) +      // scores / probabilities
                              max_rows * 8 + 1024 +                // per-row softmax state
                              16 * head_size + 16 +                // one padded key group
-                             2 * block_size * head_size + 16);    // a decoded fp8 K/V block
+                             2 * block_size * head_size + 16 +    // a decoded fp8 K/V block
+                             4 * max_rows * head_size + 16);      // q as decode tiles
 }
 
 }  // namespace pagedattn

@@ -45,6 +45,91 @@ TileConfig make_config() {
 
 const TileConfig kConfig = make_config();
 
+// Decode (amx_decode_scores): scores come out transposed, keys in rows, one column per query
+// row, so the tiles are only as wide as the rows. Tiles 0-1 hold two groups' scores at 4
+// columns and 2-3 at 8, 4-5 the two groups' key rows (A: 16 keys x 32 bf16), 6 and 7 the
+// query rows at 4 and 8 columns (B: 16 dim pairs x N).
+TileConfig make_decode_config() {
+  TileConfig c;
+  const uint16_t colsb[8] = {16, 16, 32, 32, 64, 64, 16, 32};
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = colsb[t];
+    c.rows[t] = 16;
+  }
+  return c;
+}
+
+const TileConfig kDecodeConfig = make_decode_config();
+
+// Rows r < R of S^T [16 keys, N] (fp32, contiguous) -> S[r * lds + 0..16).
+template <int N>
+inline void transpose_scores(const float* st, int R, float* S, int lds) {
+  if constexpr (N == 4) {
+    // z[j]: keys 4j..4j+3, 4 columns each; row r: element 4i + r for key i.
+    const __m512 z0 = _mm512_load_ps(st), z1 = _mm512_load_ps(st + 16);
+    const __m512 z2 = _mm512_load_ps(st + 32), z3 = _mm512_load_ps(st + 48);
+    const __m512i base = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int r = 0; r < R; ++r) {
+      const __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32(r));
+      const __m512 lo = _mm512_permutex2var_ps(z0, idx, z1);  // keys 0-7 in lanes 0-7
+      const __m512 hi = _mm512_permutex2var_ps(z2, idx, z3);  // keys 8-15
+      _mm512_storeu_ps(S + r * lds, _mm512_shuffle_f32x4(lo, hi, 0x44));
+    }
+  } else {
+    // z[j]: keys 2j, 2j+1, 8 columns each; row r: element 8i + r for key i.
+    __m512 z[8];
+    for (int j = 0; j < 8; ++j) z[j] = _mm512_load_ps(st + 16 * j);
+    const __m512i base = _mm512_setr_epi32(0, 8, 16, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i join = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int r = 0; r < R; ++r) {
+      const __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32(r));
+      __m512 q[4];
+      for (int j = 0; j < 4; ++j) q[j] = _mm512_permutex2var_ps(z[2 * j], idx, z[2 * j + 1]);
+      const __m512 lo = _mm512_permutex2var_ps(q[0], join, q[1]);
+      const __m512 hi = _mm512_permutex2var_ps(q[2], join, q[3]);
+      _mm512_storeu_ps(S + r * lds, _mm512_shuffle_f32x4(lo, hi, 0x44));
+    }
+  }
+}
+
+// S^T = K . Q^T, two groups of 16 keys at a time: K's rows are A tiles as the cache holds
+// them (no packing), the query rows one B tile per 32 dims. The tile intrinsics take their
+// tile numbers as literals, hence one macro body per width.
+#define PAGEDATTN_DECODE_GROUPS(C0, C1, B)                     \
+  do {                                                         \
+    _tile_zero(C0);                                            \
+    if (two) _tile_zero(C1);                                   \
+    for (int c = 0; c < D / 32; ++c) {                         \
+      _tile_loadd(B, qt + 2 * 16 * N * c, 4 * N);              \
+      _tile_loadd(4, k0 + 32 * c, kbytes);                     \
+      _tile_dpbf16ps(C0, 4, B);                                \
+      if (two) {                                               \
+        _tile_loadd(5, k0 + 16 * kst + 32 * c, kbytes);        \
+        _tile_dpbf16ps(C1, 5, B);                              \
+      }                                                        \
+    }                                                          \
+    _tile_stored(C0, st[0], 4 * N);                            \
+    if (two) _tile_stored(C1, st[1], 4 * N);                   \
+  } while (0)
+
+template <int N>
+void decode_scores(const bf16_t* qt, int R, const bf16_t* k, int64_t kst, int groups, int D,
+                   float* S, int lds) {
+  alignas(64) float st[2][16 * N];
+  const int64_t kbytes = kst * static_cast<int64_t>(sizeof(bf16_t));
+  asm volatile("" ::: "memory");
+  for (int g = 0; g < groups; g += 2) {
+    const bool two = g + 1 < groups;
+    const bf16_t* k0 = k + int64_t{16} * g * kst;
+    if constexpr (N == 4) PAGEDATTN_DECODE_GROUPS(0, 1, 6);
+    else PAGEDATTN_DECODE_GROUPS(2, 3, 7);
+    asm volatile("" ::: "memory");
+    transpose_scores<N>(st[0], R, S + 16 * g, lds);
+    if (two) transpose_scores<N>(st[1], R, S + 16 * (g + 1), lds);
+  }
+}
+#undef PAGEDATTN_DECODE_GROUPS
+
 // One block of C: (1 + TwoM) x (1 + TwoN) tiles at C, rows of A from A, columns of B
 // from B (already offset to the block). Strides in bytes.
 template <bool TwoM, bool TwoN>
@@ -308,6 +393,14 @@ bool amx_gemm_shape_fits(int64_t M, int64_t N, int64_t K) {
 }
 
 void amx_configure_tiles() { _tile_loadconfig(&kConfig); }
+
+void amx_configure_decode_tiles() { _tile_loadconfig(&kDecodeConfig); }
+
+void amx_decode_scores(const bf16_t* qt, int R, const bf16_t* k, int64_t kst, int groups, int D,
+                       float* S, int lds) {
+  if (decode_tile_cols(R) == 4) decode_scores<4>(qt, R, k, kst, groups, D, S, lds);
+  else decode_scores<8>(qt, R, k, kst, groups, D, S, lds);
+}
 
 void amx_release_tiles() { _tile_release(); }
 

@@ -15,9 +15,15 @@ bool amx_gemm_shape_fits(int64_t M, int64_t N, int64_t K);
 // Loads the one tile configuration every shape uses; amx_release_tiles frees the tiles.
 void amx_configure_tiles();
 void amx_release_tiles();
+// The decode configuration (amx_decode_scores): the score tiles as narrow as the rows.
+void amx_configure_decode_tiles();
 // MatrixEngine::gemm_bf16_vnni's contract, for shapes that fit, tiles configured.
 void amx_gemm_bf16_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
                         bool add, const bf16_t* A, const bf16_t* B, float* C);
+
+// MatrixEngine::decode_scores_bf16's contract, the decode configuration loaded.
+void amx_decode_scores(const bf16_t* qt, int R, const bf16_t* k, int64_t kst, int groups, int D,
+                       float* S, int lds);
 
 // Linear layers on the tiles (packed_linear_amx): rows [m_begin, m_end) of
 // out = x . W^T + bias for W's panels [p_begin, p_end), in pack_linear_weight_dpbf16's

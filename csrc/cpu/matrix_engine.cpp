@@ -85,30 +85,42 @@ bool probe_f32() {
 // before our loop configures, brgemm_release() makes it forget (and frees the tiles); a
 // brgemm call afterwards (a shape our loop does not take) makes ours reconfigure; and
 // matrix_engine_release(), at the end of a worker's region, frees the tiles for both.
-thread_local bool t_own_tiles_configured = false;
+// Which of our two tile configurations the thread has loaded (none: brgemm's, or free).
+enum class OwnTiles { kNone, kGemm, kDecode };
+thread_local OwnTiles t_own_tiles = OwnTiles::kNone;
 bool g_own_tiles_usable = false;  // set once, by matrix_engine()
 bool g_bf16_brgemm = false;       // brgemm has a bf16 microkernel here (same)
 std::atomic<bool> g_use_own_tiles{true};
 
+void load_own_tiles(OwnTiles want) {
+  if (t_own_tiles == want) return;
+  if (t_own_tiles == OwnTiles::kNone) at::native::cpublas::brgemm_release(g_bf16_brgemm);
+  if (want == OwnTiles::kGemm) amx_configure_tiles();
+  else amx_configure_decode_tiles();
+  t_own_tiles = want;
+}
+
 void gemm_bf16_vnni_tiles(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
                           int64_t ldc, bool add, const bf16_t* A, const bf16_t* B, float* C) {
   if (!amx_gemm_shape_fits(M, N, K)) {
-    t_own_tiles_configured = false;
+    t_own_tiles = OwnTiles::kNone;
     gemm_bf16_vnni(M, N, K, lda, ldb, ldc, add, A, B, C);
     return;
   }
-  if (!t_own_tiles_configured) {
-    at::native::cpublas::brgemm_release(true);
-    amx_configure_tiles();
-    t_own_tiles_configured = true;
-  }
+  load_own_tiles(OwnTiles::kGemm);
   amx_gemm_bf16_vnni(M, N, K, lda, ldb, ldc, add, A, B, C);
+}
+
+void decode_scores_tiles(const bf16_t* qt, int R, const bf16_t* k, int64_t kst, int groups,
+                         int D, float* S, int lds) {
+  load_own_tiles(OwnTiles::kDecode);
+  amx_decode_scores(qt, R, k, kst, groups, D, S, lds);
 }
 
 // Frees the calling thread's tiles, whichever of the two configured them last.
 void release_thread_tiles() {
-  if (t_own_tiles_configured) {
-    t_own_tiles_configured = false;
+  if (t_own_tiles != OwnTiles::kNone) {
+    t_own_tiles = OwnTiles::kNone;
     amx_release_tiles();
   }
   // brgemm's bf16 kernels hold the tiles (on AMX); only where it has them does its
@@ -184,6 +196,7 @@ const MatrixEngine* matrix_engine() {
     with_brgemm.gemm_bf16_vnni = bf16 ? &gemm_bf16_vnni : nullptr;
     engine.gemm_bf16_vnni = g_own_tiles_usable ? &gemm_bf16_vnni_tiles
                                                : with_brgemm.gemm_bf16_vnni;
+    engine.decode_scores_bf16 = g_own_tiles_usable ? &decode_scores_tiles : nullptr;
     with_reference.gemm_bf16_vnni = &gemm_bf16_vnni_reference;
     profiled.gemm_bf16_vnni = bf16 ? &profiled_gemm_bf16_vnni : nullptr;
     profiled_reference.gemm_bf16_vnni = &profiled_gemm_bf16_vnni;
@@ -221,12 +234,7 @@ bool own_tiles_permitted() {
   return permitted;
 }
 
-void acquire_own_tiles() {
-  if (t_own_tiles_configured) return;
-  at::native::cpublas::brgemm_release(g_bf16_brgemm);
-  amx_configure_tiles();
-  t_own_tiles_configured = true;
-}
+void acquire_own_tiles() { load_own_tiles(OwnTiles::kGemm); }
 
 void release_own_tiles() { release_thread_tiles(); }
 
@@ -279,6 +287,43 @@ static void matrix_engine_gemm_bf16_op(const at::Tensor& a, const at::Tensor& b,
   e->gemm_bf16_vnni(M, N, K, K, N, N, add, reinterpret_cast<const bf16_t*>(ac.data_ptr()),
                     reinterpret_cast<const bf16_t*>(packed.data_ptr()), c.data_ptr<float>());
   matrix_engine_release();
+}
+
+// Tests only: decode scores through the current engine's tiles (decode_scores_bf16):
+// q [R, D] bf16 (R <= kDecodeTileRows) against keys [n, D] bf16 (n a multiple of 16, rows
+// key_stride elements apart in `keys`' storage) -> [R, n] fp32.
+static at::Tensor matrix_engine_decode_scores_op(const at::Tensor& q, const at::Tensor& keys) {
+  const char* op = "matrix_engine_decode_scores";
+  const MatrixEngine* e = matrix_engine();
+  TORCH_CHECK_NOT_IMPLEMENTED(e != nullptr && e->decode_scores_bf16 != nullptr, op,
+                              ": decode scores run on our AMX tiles, which this CPU or OS "
+                              "does not offer (or the tiles are switched off)");
+  check_cpu(q, "q");
+  check_cpu(keys, "keys");
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16, op,
+                   ": q and keys must be bfloat16, got ", q.scalar_type(), " and ",
+                   keys.scalar_type());
+  TORCH_CHECK_VALUE(q.dim() == 2 && keys.dim() == 2 && q.size(1) == keys.size(1), op,
+                    ": q must be [R, D] and keys [n, D], got ", q.sizes(), " and ", keys.sizes());
+  const int64_t R = q.size(0), D = q.size(1), n = keys.size(0);
+  TORCH_CHECK_VALUE(R >= 1 && R <= kDecodeTileRows, op, ": R (", R, ") must be in [1, ",
+                    kDecodeTileRows, "]");
+  TORCH_CHECK_VALUE(D % 32 == 0 && D > 0 && D <= 512, op, ": D (", D,
+                    ") must be a positive multiple of 32, at most 512");
+  TORCH_CHECK_VALUE(n % 16 == 0 && n > 0, op, ": the key count (", n,
+                    ") must be a positive multiple of 16");
+  TORCH_CHECK_VALUE(keys.stride(1) == 1, op, ": keys' rows must be contiguous");
+  const at::Tensor qc = q.contiguous();
+  std::vector<uint32_t> qt(static_cast<size_t>(D / 2 * decode_tile_cols(static_cast<int>(R))));
+  pack_decode_queries(reinterpret_cast<const bf16_t*>(qc.data_ptr()), static_cast<int>(R),
+                      static_cast<int>(D), qt.data());
+  const int lds = static_cast<int>(n) + 16;
+  at::Tensor S = at::empty({R, lds}, q.options().dtype(at::kFloat));
+  e->decode_scores_bf16(reinterpret_cast<const bf16_t*>(qt.data()), static_cast<int>(R),
+                        reinterpret_cast<const bf16_t*>(keys.data_ptr()), keys.stride(0),
+                        static_cast<int>(n / 16), static_cast<int>(D), S.data_ptr<float>(), lds);
+  matrix_engine_release();
+  return S.narrow(1, 0, n).contiguous();
 }
 
 // Tests only: the matrix kernel's packing routines of the current ISA (KernelTable::
@@ -341,6 +386,8 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def("matrix_engine_use_own_tiles(bool on) -> ()", &pagedattn::matrix_engine_use_own_tiles_op);
   m.def("matrix_engine_gemm_bf16(Tensor a, Tensor b, Tensor(a!) c, bool add) -> ()",
         &pagedattn::matrix_engine_gemm_bf16_op);
+  m.def("matrix_engine_decode_scores(Tensor q, Tensor keys) -> Tensor",
+        &pagedattn::matrix_engine_decode_scores_op);
   m.def("matrix_engine_profile(bool on) -> ()", &pagedattn::matrix_engine_profile_op);
   m.def("matrix_pack_rows(Tensor rows, Tensor present, int kind) -> Tensor",
         &pagedattn::matrix_pack_rows_op);

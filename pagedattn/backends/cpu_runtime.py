@@ -68,8 +68,9 @@ def prefill_variant(geometry: "PlanGeometry", block_size: int,
     (oneDNN's brgemm: AMX tiles where the CPU has them, AVX-512 or AVX2 code elsewhere).
     Measured once per geometry on a :data:`PREFILL_PROBE_TOKENS`-token prompt through
     :mod:`pagedattn.tuning` (cached per machine; ``PAGEDATTN_PREFILL_KERNEL`` forces one).
-    Decode items run the vector kernels under either, so the choice only moves prefills;
-    each item's kernel depends on its own rows alone, never on its batch-mates."""
+    Decode items run the vector kernels under either (under ``amx`` their bf16 q.k runs on
+    the AMX tiles where they are: docs/kernels.md); each item's kernel depends on its own
+    rows alone, never on its batch-mates."""
     vector = kernel_variant()
     if vector is IsaHint.NEON or not ops.matrix_engine_available():
         return vector
