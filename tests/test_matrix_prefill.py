@@ -299,10 +299,12 @@ def test_pack_limit_rejects_a_negative_budget():
         torch.ops.pagedattn.set_matrix_pack_limit(-1)
 
 
-def test_cost_probe_splits_busy_time_into_gemm_and_the_rest(isa):
+@pytest.mark.parametrize("batch_name", ["chunked_prefill", "mixed"])
+def test_cost_probe_splits_busy_time_into_gemm_and_the_rest(isa, batch_name):
     """The probe's native timers (benchmarks/profile_prefill.py): while on, the GEMM calls
-    are counted and timed, and their time is part of the workers' busy time."""
-    batch = case_inputs("chunked_prefill", "bf16", 64, 16, 8, 2)
+    are counted and timed, and their time is part of the workers' busy time. Decode rows
+    (the mixed batch) keep their kernel: decode scores stay on the tiles where they run."""
+    batch = case_inputs(batch_name, "bf16", 64, 16, 8, 2)
     args = feature_args("causal", 8, 64)
     run_native(batch, args, block_size=16, hint=MATRIX)
     torch.ops.pagedattn.matrix_engine_profile(True)

@@ -187,7 +187,9 @@ const MatrixEngine* matrix_engine() {
   static bool usable = false, bf16 = false;
   static MatrixEngine engine{&gemm_f32}, with_reference{&gemm_f32};
   static MatrixEngine with_brgemm{&gemm_f32};  // own tiles switched off
+  // Profiled: the GEMMs timed, decode scores (not a GEMM) as the base engine runs them.
   static MatrixEngine profiled{&profiled_gemm_f32}, profiled_reference{&profiled_gemm_f32};
+  static MatrixEngine profiled_brgemm{&profiled_gemm_f32};
   std::call_once(once, [] {
     usable = probe_f32();
     bf16 = usable && probe_bf16_vnni();
@@ -199,6 +201,8 @@ const MatrixEngine* matrix_engine() {
     engine.decode_scores_bf16 = g_own_tiles_usable ? &decode_scores_tiles : nullptr;
     with_reference.gemm_bf16_vnni = &gemm_bf16_vnni_reference;
     profiled.gemm_bf16_vnni = bf16 ? &profiled_gemm_bf16_vnni : nullptr;
+    profiled.decode_scores_bf16 = engine.decode_scores_bf16;
+    profiled_brgemm.gemm_bf16_vnni = profiled.gemm_bf16_vnni;
     profiled_reference.gemm_bf16_vnni = &profiled_gemm_bf16_vnni;
   });
   if (!usable) return nullptr;
@@ -206,7 +210,8 @@ const MatrixEngine* matrix_engine() {
   const MatrixEngine* plain = g_use_own_tiles.load() ? &engine : &with_brgemm;
   if (g_profile.load(std::memory_order_relaxed)) {
     g_profiled_base = reference ? &with_reference : plain;
-    return reference ? &profiled_reference : &profiled;
+    if (reference) return &profiled_reference;
+    return plain == &engine ? &profiled : &profiled_brgemm;
   }
   return reference ? &with_reference : plain;
 }
