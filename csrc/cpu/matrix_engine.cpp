@@ -295,8 +295,8 @@ static void matrix_engine_gemm_bf16_op(const at::Tensor& a, const at::Tensor& b,
 }
 
 // Tests only: decode scores through the current engine's tiles (decode_scores_bf16):
-// q [R, D] bf16 (R <= kDecodeTileRows) against keys [n, D] bf16 (n a multiple of 16, rows
-// key_stride elements apart in `keys`' storage) -> [R, n] fp32.
+// q [R, D] bf16 (R <= kDecodeTileRows) against keys [n, D] bf16 (n a multiple of 16; its
+// rows may lie further apart than D, as a cache's do) -> [R, n] fp32.
 static at::Tensor matrix_engine_decode_scores_op(const at::Tensor& q, const at::Tensor& keys) {
   const char* op = "matrix_engine_decode_scores";
   const MatrixEngine* e = matrix_engine();
