@@ -37,6 +37,9 @@ def probe():
     ("/x/pagedattn/_C.cpython-311-x86_64-linux-gnu.so",
      "pagedattn::(anonymous namespace)::AttnKernel<VecAvx512, bf16_t, bf16_t>::attend_blocks",
      "attention"),
+    # decode's q.k on the AMX tiles (matrix_amx.cpp) is attention, not a GEMM or a kernel
+    ("/x/pagedattn/_C.cpython-311-x86_64-linux-gnu.so",
+     "pagedattn::(anonymous namespace)::decode_scores<4>", "attention"),
     ("/x/pagedattn/_C.cpython-311-x86_64-linux-gnu.so",
      "pagedattn::(anonymous namespace)::linear_dp_tile<1, 4>", "gemm"),
     ("/x/pagedattn/_C.cpython-311-x86_64-linux-gnu.so",
