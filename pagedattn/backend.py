@@ -148,8 +148,8 @@ M = TypeVar("M")
 @dataclass(frozen=True)
 class ModelAttention:
     """What an engine tells a backend about a model when it loads it (see
-    :meth:`AttentionBackend.prepare_for_model`). ``prefill_attention`` and
-    ``batch_invariant`` are the engine's options, passed through as values."""
+    :meth:`AttentionBackend.prepare_for_model`). ``batch_invariant`` is the engine's
+    option, passed through as a value."""
 
     num_heads: int
     num_kv_heads: int
@@ -159,7 +159,6 @@ class ModelAttention:
     block_size: int
     attn_type: str
     sliding_window: int | None = None
-    prefill_attention: str = "auto"
     batch_invariant: bool = False
 
 

@@ -102,8 +102,6 @@ def test_batch_invariant_plans_refuse_the_matrix_engine_hint():
 def test_engine_args_refuse_what_cannot_be_invariant():
     with pytest.raises(ValueError, match="linear_impl='torch'"):
         EngineArgs(batch_invariant=True, linear_impl="torch")
-    with pytest.raises(ValueError, match="'flash'"):
-        EngineArgs(batch_invariant=True, prefill_attention="flash")
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         EngineArgs(batch_invariant=1)
 

@@ -73,7 +73,7 @@ def test_require_choice_returns_the_value_or_names_it_and_the_choices():
 
 @pytest.mark.parametrize("field, bad, allowed", [
     ("kv_cache_dtype", "fp4", "auto, fp8"),
-    ("prefill_attention", "fast", "auto, kernel, flash"),
+    ("prefill_attention", "fast", "auto, kernel"),
     ("linear_impl", "blas", "auto"),
     ("scheduling_policy", "lifo", "fcfs, shortest_first"),
 ])
@@ -82,3 +82,11 @@ def test_engine_args_name_the_bad_choice_and_the_allowed_ones(field, bad, allowe
 
     with pytest.raises(ValueError, match=f"{field} must be one of {allowed}.*got '{bad}'"):
         EngineArgs(**{field: bad})
+
+
+def test_the_retired_flash_prefill_is_refused_by_name():
+    from pagedattn.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"prefill_attention 'flash' was retired.*'auto' or 'kernel'"):
+        EngineArgs(prefill_attention="flash")
+    assert EngineArgs(prefill_attention="kernel").prefill_attention == "kernel"

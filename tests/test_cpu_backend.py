@@ -78,13 +78,10 @@ def context_only_kv_cache(batch):
     return kv_cache
 
 
-def build_metadata(batch, dtype, block_size, sliding_window=None, use_sdpa_prefill=False,
-                   sdpa_prefill_min_query_len=None):
+def build_metadata(batch, dtype, block_size, sliding_window=None):
     spec = AttentionSpec(block_size, HKV, D, dtype, sliding_window=sliding_window)
     builder = CPUAttentionMetadataBuilder(
-        spec, ["layer0"], engine_config(dtype, block_size), torch.device("cpu"),
-        use_sdpa_prefill=use_sdpa_prefill, sdpa_prefill_min_query_len=sdpa_prefill_min_query_len,
-    )
+        spec, ["layer0"], engine_config(dtype, block_size), torch.device("cpu"))
     common = CommonAttentionMetadata.from_lens(
         batch.spec.query_lens, batch.spec.seq_lens, batch.block_table, batch.slot_mapping,
         block_size=block_size,
@@ -113,57 +110,24 @@ def test_decoder_forward_writes_cache_and_matches_reference(batch_name, feature,
     assert torch.equal(kv_cache[1].nan_to_num(7.0), batch.value_cache.nan_to_num(7.0))
 
 
-# Decodes, then prefills: fresh, with cached context (chunked prefill / prefix hit), and
-# one too short for the flash path (min 16) that the kernel runs between two long ones.
-FLASH_SPLIT = BatchSpec("flash_split", (70, 9, 40, 150, 7, 60), (1, 1, 40, 53, 7, 60))
+# Decodes first, then prefills: fresh, with cached context (chunked prefill / prefix hit),
+# long and short interleaved. Every one of them runs on the kernel, in one plan.
+MIXED_PREFILLS = BatchSpec("mixed_prefills", (70, 9, 40, 150, 7, 60), (1, 1, 40, 53, 7, 60))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("feature", FEATURES)
-def test_flash_prefill_path_matches_reference(feature, dtype):
+def test_step_of_decodes_and_long_prefills_matches_reference(feature, dtype):
     block_size = 16
-    batch = make_paged_batch(FLASH_SPLIT, num_heads=H, num_kv_heads=HKV, head_size=D,
+    batch = make_paged_batch(MIXED_PREFILLS, num_heads=H, num_kv_heads=HKV, head_size=D,
                              block_size=block_size, dtype=dtype, seed=2)
     impl = make_impl(**FEATURES[feature])
-    _, metadata = build_metadata(batch, dtype, block_size, FEATURES[feature].get("sliding_window"),
-                                 sdpa_prefill_min_query_len=16)
-    if feature == "window":  # windowed groups stay on the kernel
-        assert metadata.sdpa is None
-    else:
-        split = metadata.sdpa
-        assert [(q.row_lo, q.row_hi, q.context) for q in split.seqs] == [
-            (2, 42, 0), (42, 95, 97), (102, 162, 0)]
-        # The kernel's requests (2 decodes + the 7-token prefill) are not the leading rows.
-        assert split.kernel_rows.tolist() == [0, 1, *range(95, 102)]
-        assert split.seq_lens.tolist() == [70, 9, 7] and split.query_start_loc.tolist() == [0, 1, 2, 9]
-    # Layers with softcap, ALiBi or sinks run the whole step on the kernel.
-    assert impl.flash_prefill == (feature == "plain")
+    _, metadata = build_metadata(batch, dtype, block_size, FEATURES[feature].get("sliding_window"))
     output = torch.full_like(batch.query, math.nan)
     impl.forward(None, batch.query, batch.new_keys, batch.new_values,
                  context_only_kv_cache(batch), metadata, output=output)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(output.float(), reference_for(impl, batch), **tol)
-
-
-def test_flash_prefill_with_leading_kernel_rows_uses_views():
-    batch = make_paged_batch(BATCH_SPECS["mixed"], num_heads=H, num_kv_heads=HKV, head_size=D,
-                             block_size=16, dtype=torch.float32)
-    _, metadata = build_metadata(batch, torch.float32, 16, use_sdpa_prefill=True)
-    split = metadata.sdpa
-    assert split is not None and split.kernel_rows is None  # decodes first: no gather
-    impl = make_impl()
-    output = torch.full_like(batch.query, math.nan)
-    impl.forward(None, batch.query, batch.new_keys, batch.new_values,
-                 context_only_kv_cache(batch), metadata, output=output)
-    torch.testing.assert_close(output, reference_for(impl, batch), **FP32_TOL)
-
-
-@pytest.mark.parametrize("bad", [1, 0, True, 2.5, "16"])
-def test_flash_prefill_min_query_len_is_checked(bad):
-    batch = make_paged_batch(BATCH_SPECS["mixed"], num_heads=H, num_kv_heads=HKV, head_size=D,
-                             block_size=16, dtype=torch.float32)
-    with pytest.raises(ValueError, match="sdpa_prefill_min_query_len"):
-        build_metadata(batch, torch.float32, 16, sdpa_prefill_min_query_len=bad)
 
 
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER])

@@ -13,7 +13,7 @@ PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):"]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model="smollm2", linear_impl="packed", prefill_attention="kernel")
+    return LLM(model="smollm2", linear_impl="packed")
 
 
 def test_a_sampling_failure_fails_one_request_and_the_batch_goes_on(llm, monkeypatch):

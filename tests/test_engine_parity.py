@@ -1,7 +1,7 @@
 """Greedy token parity with transformers for random-weight Llama, Mistral and Qwen2
 checkpoints (fp32), through the whole engine: plain, chunked prefill forced by a small
-token budget, preemption forced by a small pool, and prefix-cache hits; prefills on the
-paged kernel and on torch's flash attention."""
+token budget, preemption forced by a small pool, prefix-cache hits, and the shortest-first
+admission order; every prefill on the paged kernel."""
 
 from __future__ import annotations
 
@@ -75,10 +75,7 @@ MODES = {
     "chunked": dict(max_num_batched_tokens=16),
     "preempt": dict(kv_cache_memory=7 * 2 * (2 * 16 * 2 * 32 * 4), max_model_len=96),
     "no_prefix_cache": dict(enable_prefix_caching=False),
-    # Prefills on torch's flash attention: fresh, chunked (every chunk after the first
-    # reads its context back from the cache) and prefix-cache hits (the second run).
-    "flash": dict(prefill_attention="flash"),
-    "flash_chunked": dict(prefill_attention="flash", max_num_batched_tokens=16),
+    # The retired option's remaining value, kept for scripts that pass it.
     "kernel": dict(prefill_attention="kernel"),
     # The server's admission order: shortest prompt first, in small chunks.
     "shortest_first": dict(scheduling_policy="shortest_first", max_num_batched_tokens=16),
@@ -91,9 +88,6 @@ def test_greedy_tokens_match_transformers(checkpoint, mode):
     llm = LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, **MODES[mode])
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
-    if mode.startswith("flash"):  # Mistral's sliding window keeps it on the kernel
-        windowed = path.name.startswith("mistral")
-        assert llm.engine.attention.builder.sdpa_prefill_min_query_len == (None if windowed else 2)
     if mode == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
     # Again, now that the first run's blocks are cached: prefix-cache hits, same tokens.

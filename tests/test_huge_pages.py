@@ -126,8 +126,7 @@ def test_the_option_is_checked_by_name():
 
 @pytest.fixture(scope="module")
 def engines():
-    kwargs = dict(model="smollm2", max_model_len=512, kv_cache_memory="64MiB",
-                  prefill_attention="kernel")
+    kwargs = dict(model="smollm2", max_model_len=512, kv_cache_memory="64MiB")
     return LLM(huge_pages=True, **kwargs), LLM(huge_pages=False, **kwargs)
 
 

@@ -117,7 +117,7 @@ def engine(path: str, **kwargs) -> LLM:
     # small steps: prompts are chunked, so steps mix decodes with prefill chunks; the two
     # loops are compared at one thread count, whatever else runs on the machine
     args = dict(skip_tokenizer_init=True, max_num_batched_tokens=48, kv_cache_memory="8MiB",
-                max_model_len=256, block_size=16, prefill_attention="kernel",
+                max_model_len=256, block_size=16,
                 enable_prefix_caching=False, adaptive_threads=False)
     return LLM(path, **{**args, **kwargs})
 
@@ -198,14 +198,6 @@ def test_fp8_cache_with_calibrated_scales(checkpoints, monkeypatch):
                       calculate_kv_scales=True)
     assert_native_equals_python(fp8_engine(), monkeypatch, all_native=False,
                                 native_llm=fp8_engine())
-
-
-def test_flash_prefill_steps_fall_back_to_python(checkpoints, monkeypatch):
-    # Steps with a prefill on torch's flash attention run the Python loop; decode-only steps
-    # the native op.
-    llm = engine(checkpoints["llama"], dtype="float32", prefill_attention="flash",
-                 max_num_batched_tokens=256)
-    assert_native_equals_python(llm, monkeypatch, all_native=False)
 
 
 def test_models_it_cannot_run_say_why(checkpoints):

@@ -2,7 +2,7 @@
 
 Plan/run split: :class:`CPUAttentionMetadataBuilder` turns a step's
 ``CommonAttentionMetadata`` into an immutable :class:`CPUAttentionMetadata` (kernel ISA
-hint, scheduler work partition, optional SDPA prefill split); every layer's
+hint, scheduler work partition); every layer's
 :class:`CPUAttentionBackendImpl.forward` only consumes it.
 
 Paths in ``forward``:
@@ -10,9 +10,8 @@ Paths in ``forward``:
 * ENCODER / ENCODER_ONLY: no cache; per-sequence SDPA over the step's own K/V.
 * DECODER / ENCODER_DECODER: write K/V into the paged cache (unless the layer shares
   another layer's cache, or key/value are ``None`` as in cross attention after the
-  encoder step), then the native kernel. With ``sdpa_prefill_min_query_len`` set (the
-  engine measures it: ``cpu_sdpa_prefill``), prefills at least that long go through
-  torch's flash attention for CPU instead, the rest of the step through the kernel.
+  encoder step), then the native kernel, for every request of the step: decodes,
+  prefills of any length, chunks over cached context.
 """
 
 from __future__ import annotations
@@ -37,9 +36,7 @@ from pagedattn.backend import (
     check_request_tensors,
     is_quantized_kv_cache,
 )
-from pagedattn.backends import cpu_runtime, cpu_sdpa_prefill
-from pagedattn.backends.cpu_sdpa_prefill import SdpaSeq, SdpaSplit
-from pagedattn.checks import require_int
+from pagedattn.backends import cpu_runtime
 from pagedattn.config import BuilderConfig, CacheDType
 from pagedattn.kv_cache_spec import AttentionSpec, CrossAttentionSpec
 from pagedattn.ops import kernel_shapes
@@ -72,21 +69,12 @@ class CPUAttentionBackend(AttentionBackend):
     @classmethod
     def prepare_for_model(cls, model: ModelAttention) -> ModelPreparation:
         """Batch-invariant engines get batch-invariant plans (the builder's
-        ``batch_invariant``). Otherwise decoders' long prefills may go to torch's flash
-        attention, from the query length measured here to make it faster
-        (:func:`cpu_sdpa_prefill.choose_min_query_len`)."""
+        ``batch_invariant``); other models need nothing prepared."""
         if model.batch_invariant:
             return ModelPreparation(
                 {"batch_invariant": True},
-                ("attention batch-invariant: vector kernels, no key splits, no flash prefill",))
-        if AttentionType.parse(model.attn_type) != AttentionType.DECODER:
-            return ModelPreparation()
-        if model.sliding_window is not None or model.cache_dtype.itemsize == 1:
-            # the builder keeps such caches on the kernel: timing flash would be wasted
-            return ModelPreparation(choices=("prefills on the kernel (flash attention has "
-                                             "no sliding window or fp8 cache)",))
-        min_len, line = cpu_sdpa_prefill.choose_min_query_len(model)
-        return ModelPreparation({"sdpa_prefill_min_query_len": min_len}, (line,))
+                ("attention batch-invariant: vector kernels, no key splits",))
+        return ModelPreparation()
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -126,9 +114,7 @@ class CPUAttentionBackend(AttentionBackend):
 class CPUAttentionMetadata:
     """One step's plan for CPU_ATTN, shared (read-only) by every layer of the step.
 
-    Tensors are on the CPU. The kernel fields cover the whole step; ``sdpa`` (when set)
-    sends the long prefills to torch's flash attention and holds the kernel's plan for
-    the other requests.
+    Tensors are on the CPU.
     """
 
     isa: IsaHint
@@ -147,10 +133,6 @@ class CPUAttentionMetadata:
     scheduler_metadata: torch.Tensor | None
     """Opaque work partition from ``cpu_attn_get_scheduler_metadata``."""
     causal: bool = True
-    sdpa: SdpaSplit | None = None
-    """Long prefills for torch's flash attention, and the kernel's plan for the rest
-    (used by layers without softcap, ALiBi, sinks or a window; the others run the whole
-    step on the kernel)."""
     sdpa_biases: dict = field(default_factory=dict, repr=False)
     """Dense SDPA biases of encoder steps, built on first use and shared by the layers
     that need the same one (a cache of derived values; the plan itself never changes)."""
@@ -160,12 +142,10 @@ class CPUAttentionMetadata:
 
 
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):
-    """Builds :class:`CPUAttentionMetadata`.
+    """Builds :class:`CPUAttentionMetadata`: the step's kernel plan, once per step.
 
-    ``sdpa_prefill_min_query_len`` (default ``None``: the kernel runs every request)
-    sends prefills of at least that many queries, with or without cached context, to
-    torch's flash attention for CPU (``cpu_sdpa_prefill``); ``use_sdpa_prefill=True``
-    means every prefill. Groups with a sliding window and fp8 caches stay on the kernel.
+    ``batch_invariant=True`` plans so that a row's result does not depend on the rest of
+    the step (vector kernels, no key splits).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
@@ -176,22 +156,12 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         layer_names: list[str],
         vllm_config: BuilderConfig,
         device: torch.device,
-        use_sdpa_prefill: bool = False,
-        sdpa_prefill_min_query_len: int | None = None,
         batch_invariant: bool = False,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
-        if batch_invariant and (use_sdpa_prefill or sdpa_prefill_min_query_len is not None):
-            raise ValueError("batch_invariant=True runs every prefill on the kernel; "
-                             "use_sdpa_prefill and sdpa_prefill_min_query_len must be unset")
         self.batch_invariant = batch_invariant
-        if sdpa_prefill_min_query_len is not None:
-            require_int("sdpa_prefill_min_query_len", sdpa_prefill_min_query_len, 2)
-        elif use_sdpa_prefill:
-            sdpa_prefill_min_query_len = 2
-        self.sdpa_prefill_min_query_len = sdpa_prefill_min_query_len
         # Decodes first: the runner moves requests with query_len <= 1 to the front.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         parallel_config = vllm_config.parallel_config
@@ -216,8 +186,6 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         self.isa = (cpu_runtime.kernel_variant() if batch_invariant
                     else cpu_runtime.prefill_variant(self.plan_geometry, self.block_size,
                                                      kv_cache_spec.dtype))
-        if self.window_size != -1 or kv_cache_spec.dtype.itemsize == 1:
-            self.sdpa_prefill_min_query_len = None  # the flash path has no window or fp8
 
     def build(
         self,
@@ -241,13 +209,6 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
 
         scheduler_metadata = cpu_runtime.plan_step(self.plan_geometry, self.isa, query_start_loc,
                                                    seq_lens, causal, self.batch_invariant)
-        sdpa = None
-        if self.sdpa_prefill_min_query_len is not None and causal and not self.is_cross_attention:
-            sdpa = cpu_sdpa_prefill.split_step(
-                query_start_loc, seq_lens, block_table, self.sdpa_prefill_min_query_len,
-                self.block_size,
-                lambda qsl, lens: cpu_runtime.plan_step(self.plan_geometry, self.isa, qsl,
-                                                        lens, causal))
         return CPUAttentionMetadata(
             isa=self.isa,
             num_actual_tokens=cm.num_actual_tokens,
@@ -257,7 +218,6 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             slot_mapping=cm.slot_mapping,
             scheduler_metadata=scheduler_metadata,
             causal=causal,
-            sdpa=sdpa,
         )
 
 
@@ -307,11 +267,6 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         self._alibi_key = None if alibi_slopes is None else tuple(float(a) for a in alibi_slopes)
         self.sliding_window = cpu_runtime.window_pair(sliding_window, self.attn_type)
         self._set_alibi_and_sinks(alibi_slopes, sinks)
-        # Layers the flash prefill path computes exactly; the others run whole steps on
-        # the kernel.
-        self.flash_prefill = (self.attn_type == AttentionType.DECODER
-                              and self.logits_soft_cap == 0.0 and self.alibi_slopes is None
-                              and sinks is None and self.sliding_window == (-1, -1))
 
     def forward(
         self,
@@ -359,25 +314,10 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             self._write_cache(key, value, key_cache, value_cache, attn_metadata, k_scale, v_scale)
 
-        split = attn_metadata.sdpa if self.flash_prefill else None
-        if split is None:
-            self._attend(query[:num_tokens], key_cache, value_cache, output[:num_tokens],
-                         attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                         attn_metadata.block_table, attn_metadata.scheduler_metadata,
-                         attn_metadata.causal, k_scale, v_scale)
-            return output
-        for seq in split.seqs:
-            self._flash_prefill(seq, query, key, value, key_cache, value_cache, output,
-                                k_scale, v_scale)
-        if split.num_kernel_rows:
-            rows = split.kernel_rows
-            q = query[:split.num_kernel_rows] if rows is None else query.index_select(0, rows)
-            out = output[:split.num_kernel_rows] if rows is None else torch.empty_like(q)
-            self._attend(q, key_cache, value_cache, out, split.query_start_loc,
-                         split.seq_lens, split.block_table, split.scheduler_metadata,
-                         attn_metadata.causal, k_scale, v_scale)
-            if rows is not None:
-                output.index_copy_(0, rows, out)
+        self._attend(query[:num_tokens], key_cache, value_cache, output[:num_tokens],
+                     attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                     attn_metadata.block_table, attn_metadata.scheduler_metadata,
+                     attn_metadata.causal, k_scale, v_scale)
         return output
 
     def direct_call(self, layer: AttentionLayer, kv_cache: torch.Tensor,
@@ -385,13 +325,12 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         """The scalars with which a native layer loop runs this layer's step itself: the
         cache write, then the kernel over ``attn_metadata``'s plan, exactly what
         :meth:`forward` does for such a step. ``None`` where the step needs
-        :meth:`forward`: encoder attention, a shared cache, ALiBi, sinks, a step that
-        sends prefills to torch's flash attention, or no metadata (warm-up)."""
+        :meth:`forward`: encoder attention, a shared cache, ALiBi, sinks, or no metadata
+        (warm-up)."""
         if (attn_metadata is None or attn_metadata.scheduler_metadata is None
                 or self.attn_type != AttentionType.DECODER
                 or self.kv_sharing_target_layer_name is not None
-                or self.alibi_slopes is not None or self.sinks is not None
-                or (self.flash_prefill and attn_metadata.sdpa is not None)):
+                or self.alibi_slopes is not None or self.sinks is not None):
             return None
         k_scale, v_scale = self._kv_scales(layer, kv_cache)
         left, right = self.sliding_window
@@ -414,21 +353,6 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
             scale=self.scale, causal=causal, window=self.sliding_window,
             alibi_slopes=self.alibi_slopes, softcap=self.logits_soft_cap, sinks=self.sinks,
             k_scale=k_scale, v_scale=v_scale)
-
-    def _flash_prefill(self, seq: SdpaSeq, query, key, value, key_cache, value_cache, output,
-                       k_scale: float, v_scale: float) -> None:
-        """One long prefill on torch's flash attention: over the step's own keys, and over
-        its cached context read back from the paged cache."""
-        lo, hi = seq.row_lo, seq.row_hi
-        q = query[lo:hi].transpose(0, 1)
-        if seq.context == 0 and key is not None and value is not None:
-            k, v = key[lo:hi].transpose(0, 1), value[lo:hi].transpose(0, 1)
-        else:
-            n = seq.context + hi - lo
-            k = cpu_sdpa_prefill.gather_cached(key_cache, seq.blocks, n, query.dtype, k_scale)
-            v = cpu_sdpa_prefill.gather_cached(value_cache, seq.blocks, n, query.dtype, v_scale)
-        out = cpu_sdpa_prefill.causal_attention(q, k, v, seq.context, self.scale)
-        output[lo:hi] = out.transpose(0, 1)
 
     def _kv_scales(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> tuple[float, float]:
         """The layer's per-tensor fp8 scales (1.0 for a model-dtype cache); checks that the

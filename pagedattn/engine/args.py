@@ -23,7 +23,7 @@ from pagedattn.ops import reference
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *reference.FP8_CACHE_DTYPES)
 LINEAR_IMPLS = ("auto", "packed", "torch")
-PREFILL_ATTENTION = ("auto", "kernel", "flash")
+PREFILL_ATTENTION = ("auto", "kernel")
 _UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1}
 
 
@@ -89,15 +89,15 @@ class EngineArgs:
             ``linear_impl="torch"``: dtype of the weights and activations around
             attention; ``None`` = ``dtype``, except on CPUs without a native
             half-precision GEMM, where it is float32.
-        prefill_attention: CPU_ATTN's prefills. ``"auto"``: prefills of at least the
-            length from which torch's flash attention for CPU measures faster than the
-            paged kernel on this machine and model (timed at load,
-            :mod:`pagedattn.backends.cpu_sdpa_prefill`) run on it; ``"kernel"``: every
-            request on the paged kernel; ``"flash"``: every prefill on flash attention.
+        prefill_attention: kept for scripts that set it: ``"auto"`` and ``"kernel"``
+            both run every request on the paged kernel. ``"flash"`` (long prefills on
+            torch's flash attention for CPU) was retired on 2026-12-07, when the kernel
+            measured faster at every prefill length on every CPU tried
+            (docs/performance.md); asking for it is a ValueError.
         batch_invariant: ``True``: a request's tokens (greedy, or sampled with its own
             seed) do not depend on what else runs, how its prompt is chunked, prefix-cache
             hits or the thread count. Attention plans never split a row's keys and run
-            every row on the vector kernels' generic path (no matrix-engine or flash
+            every row on the vector kernels' generic path (no matrix-engine
             prefill), and every linear layer runs the packed kernel, whose rows are
             independent of the row count. Its measured cost is in docs/engine.md.
             Needs ``linear_impl`` ``"auto"`` or ``"packed"`` and a backend that offers it
@@ -164,6 +164,10 @@ class EngineArgs:
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales=True needs an fp8 kv_cache_dtype "
                              f"({', '.join(reference.FP8_CACHE_DTYPES)}), got 'auto'")
+        if self.prefill_attention == "flash":
+            raise ValueError("prefill_attention 'flash' was retired: the paged kernel runs "
+                             "every prefill (it measured faster than torch's flash attention "
+                             "at every length on every CPU tried); use 'auto' or 'kernel'")
         require_choice("prefill_attention", self.prefill_attention, PREFILL_ATTENTION)
         set_("linear_impl", _parse_linear_impl(self.linear_impl))
         if not isinstance(self.batch_invariant, bool):
@@ -172,9 +176,6 @@ class EngineArgs:
             raise ValueError("batch_invariant=True needs linear_impl 'auto' or 'packed' (the "
                              "packed kernel's rows do not depend on the row count; torch's "
                              "GEMMs' do), got linear_impl='torch'")
-        if self.batch_invariant and self.prefill_attention == "flash":
-            raise ValueError("batch_invariant=True runs every prefill on the paged kernel; "
-                             "prefill_attention must be 'auto' or 'kernel', got 'flash'")
         set_("linear_dtype", self._resolve_linear_dtype())
         set_("kv_cache_memory", parse_bytes(self.kv_cache_memory))
         validate_block_size(self.block_size)  # the one check: it flows down as a value

@@ -36,8 +36,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
                    help="activations of the linear layers (default: bfloat16 for a bfloat16 "
                         "model where the CPU has a native bf16 GEMM, else float32)")
     g.add_argument("--prefill-attention", choices=PREFILL_ATTENTION, default="auto",
-                   help="CPU_ATTN prefills: auto (long prefills on torch's flash attention "
-                        "where it measures faster here), kernel, or flash")
+                   help="kept for scripts that pass it: auto and kernel both run every "
+                        "prefill on the paged kernel (torch's flash attention path was "
+                        "retired)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens do not depend on its batch-mates, chunking or "
                         "threads (greedy or seeded); costs some speed (docs/engine.md)")

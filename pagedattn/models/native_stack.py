@@ -12,7 +12,7 @@ This module decides, once per model and once per step, whether the op serves the
 and resolves the step's arguments: each linear layer's path for the step's row count
 (:class:`MeasuredLinear`'s measured choice) and each layer's attention scalars (the
 backend's :meth:`direct_call`). Anything else runs the Python loop: other linear or
-attention backends, a step with torch flash prefills, ALiBi or sinks, uncalibrated fp8
+attention backends, ALiBi or sinks, uncalibrated fp8
 scales, or models loaded without the native extension.
 """
 
