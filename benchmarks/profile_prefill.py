@@ -12,7 +12,12 @@ For each row (a causal bf16 prefill, 32/8 heads x 128, block 32 by default) it r
   split by the native cost probe (``matrix_engine_profile``) into the time inside the
   GEMM microkernel calls and the rest of the workers' busy time: packing, the softmax,
   masking, bookkeeping. That split needs no ``perf`` and no AMX: it is what this file's
-  target (``<= 0.4 ns`` per pair outside the GEMMs on AVX-512) is measured with;
+  target (``<= 0.4 ns`` per pair outside the GEMMs on AVX-512) is measured with. The time
+  outside is split again by the probe's own timers: ``pack`` (the call's K/V packing
+  region), ``queries`` (each item's row state and Q rows in), ``softmax`` (between the
+  GEMMs, masks included), ``tile_pack`` (tiles an item packs itself), ``finish`` (output
+  rows out) and ``rest`` (the loops around them). The JSON also has the time outside per
+  query row (tokens x heads), the part that does not shrink with longer rows;
 * side by side, on the same inputs, calls alternating, median of ``--repeat``: the matrix
   kernel with its bf16 GEMMs on oneDNN's brgemm instead of our AMX tile loop (``brgemm``,
   where the tile loop runs), the vector kernels, vLLM's CPU kernel with the hint vLLM itself picks (where its wheel loads:
@@ -64,6 +69,8 @@ def _rows() -> dict[str, Row]:
 
 
 ROWS = _rows()
+# The native probe's phase totals, in the order matrix_engine_profile_totals gives them.
+PHASES = ("queries", "softmax", "tile_pack", "finish")
 DEFAULT_ROWS = ("4x512", "1x2048", "mixed")
 
 
@@ -215,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.ops.pagedattn.matrix_engine_profile(True)
         try:
             wall = median_ms(matrix, args.repeat)
-            busy_ns, gemm_ns, calls = torch.ops.pagedattn.matrix_engine_profile_totals()
+            busy_ns, gemm_ns, calls, pack_ns, *phase_ns = \
+                torch.ops.pagedattn.matrix_engine_profile_totals()
         finally:
             torch.ops.pagedattn.matrix_engine_profile(False)
         per_call = 1.0 / args.repeat
@@ -225,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                "gemm_ns_per_pair": gemm_ns * per_call / pairs,
                "outside_ns_per_pair": (busy_ns - gemm_ns) * per_call / pairs,
                "gemm_calls_per_call": calls * per_call}
+        outside = {"pack": pack_ns, **dict(zip(PHASES, phase_ns))}
+        outside["rest"] = busy_ns - gemm_ns - sum(outside.values())
+        rec["outside_split_ns_per_pair"] = {k: v * per_call / pairs for k, v in outside.items()}
+        rows = sum(row.spec.query_lens) * heads
+        rec["outside_ns_per_query_row"] = (busy_ns - gemm_ns) * per_call / rows
         fns = {"pagedattn": matrix, "vector": ours(cpu_runtime.kernel_variant())}
         if bf16_mk == "tiles" and args.dtype == "bfloat16":
             fns["brgemm"] = on_brgemm(matrix)
@@ -243,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<7} ns/pair: total {rec['core_ns_per_pair']:.2f} = gemm "
               f"{rec['gemm_ns_per_pair']:.2f} + outside {rec['outside_ns_per_pair']:.2f} "
               f"({rec['gemm_calls_per_call']:.0f} gemm calls)")
+        split = " + ".join(f"{k} {v:.2f}" for k, v in rec["outside_split_ns_per_pair"].items())
+        print(f"        outside = {split}")
         print(f"        {side}   speed-up {vs}")
     if args.json:
         with open(args.json, "w") as f:

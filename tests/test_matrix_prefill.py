@@ -299,22 +299,37 @@ def test_pack_limit_rejects_a_negative_budget():
         torch.ops.pagedattn.set_matrix_pack_limit(-1)
 
 
+@pytest.mark.parametrize("limit", [None, 0], ids=["call-packs", "items-pack"])
 @pytest.mark.parametrize("batch_name", ["chunked_prefill", "mixed"])
-def test_cost_probe_splits_busy_time_into_gemm_and_the_rest(isa, batch_name):
+def test_cost_probe_splits_busy_time_into_gemm_and_the_rest(isa, batch_name, limit):
     """The probe's native timers (benchmarks/profile_prefill.py): while on, the GEMM calls
-    are counted and timed, and their time is part of the workers' busy time. Decode rows
+    are counted and timed, and their time is part of the workers' busy time, as are the
+    packing region's and the items' phases outside the GEMMs. Decode rows
     (the mixed batch) keep their kernel: decode scores stay on the tiles where they run."""
     batch = case_inputs(batch_name, "bf16", 64, 16, 8, 2)
     args = feature_args("causal", 8, 64)
     run_native(batch, args, block_size=16, hint=MATRIX)
     torch.ops.pagedattn.matrix_engine_profile(True)
     try:
-        profiled = run_native(batch, args, block_size=16, hint=MATRIX)
-        busy_ns, gemm_ns, calls = torch.ops.pagedattn.matrix_engine_profile_totals()
+        with pack_limit(limit) if limit is not None else contextlib.nullcontext():
+            profiled = run_native(batch, args, block_size=16, hint=MATRIX)
+        busy_ns, gemm_ns, calls, pack_ns, *phase_ns = \
+            torch.ops.pagedattn.matrix_engine_profile_totals()
     finally:
         torch.ops.pagedattn.matrix_engine_profile(False)
     assert calls > 0 and 0 < gemm_ns <= busy_ns
-    assert torch.ops.pagedattn.matrix_engine_profile_totals() == [0, 0, 0]
+    # The packing region and the items' phases (queries, softmax, tile packs, finish) are
+    # parts of the busy time outside the GEMMs; every item takes its queries, runs a
+    # softmax per tile and finishes. Tiles are packed by the call's region, or (no
+    # budget) by the items that read them.
+    queries_ns, softmax_ns, tile_pack_ns, finish_ns = phase_ns
+    assert queries_ns > 0 and softmax_ns > 0 and finish_ns > 0
+    if limit is None:
+        assert pack_ns > 0 and tile_pack_ns == 0
+    else:
+        assert pack_ns == 0 and tile_pack_ns > 0
+    assert pack_ns + sum(phase_ns) <= busy_ns - gemm_ns
+    assert torch.ops.pagedattn.matrix_engine_profile_totals() == [0] * 8
     # The timing wrappers change no result.
     assert torch.equal(profiled, run_native(batch, args, block_size=16, hint=MATRIX))
 
@@ -342,6 +357,12 @@ def test_profile_prefill_script_reports_the_split(tmp_path):
     assert row["gemm_calls_per_call"] > 0 and row["gemm_ns_per_pair"] > 0
     assert row["outside_ns_per_pair"] == pytest.approx(
         row["core_ns_per_pair"] - row["gemm_ns_per_pair"])
+    split = row["outside_split_ns_per_pair"]
+    assert set(split) == {"pack", "queries", "softmax", "tile_pack", "finish", "rest"}
+    assert sum(split.values()) == pytest.approx(row["outside_ns_per_pair"])
+    assert split["softmax"] > 0 and split["rest"] >= 0
+    assert row["outside_ns_per_query_row"] == pytest.approx(
+        row["outside_ns_per_pair"] * row["pairs"] / (4 * 512 * 4))
     own_tiles = torch.ops.pagedattn.matrix_engine_bf16_microkernel() == "tiles"
     assert set(row["ms"]) == {"pagedattn", "vector"} | ({"brgemm"} if own_tiles else set())
 

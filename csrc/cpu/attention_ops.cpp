@@ -625,7 +625,7 @@ void pack_matrix_tiles(AttnParams& p, const CheckedPlan& plan, const KernelTable
       for (int64_t i = next.fetch_add(1); i < njobs; i = next.fetch_add(1))
         kt->matrix_pack(p, jobs[i].req, jobs[i].head, jobs[i].t0, jobs[i].t1,
                         scr + w * scratch_floats);
-      if (profiling) matrix_engine_add_busy(matrix_engine_clock_ns() - start);
+      if (profiling) matrix_engine_add_pack_busy(matrix_engine_clock_ns() - start);
     }
   });
 }

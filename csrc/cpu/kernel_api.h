@@ -163,6 +163,12 @@ struct NormParams {
 };
 
 
+// The cost probe's phases of a matrix item outside its GEMMs (benchmarks/profile_prefill.py):
+// its query rows in (row state, Q copied as the GEMMs' A), the softmax between the GEMMs
+// (masks included), K/V tiles the item packs itself (requests the call did not pack), and
+// its output rows out (normalization, stores).
+enum class MatrixPhase : int { kQueries = 0, kSoftmax, kTilePack, kFinish, kCount };
+
 // The matrix engine: oneDNN's brgemm microkernels (AMX tiles where the CPU has them, else
 // AVX-512 or AVX2 code), which the binding layer reaches through ATen
 // (matrix_engine.cpp) and hands to the kernels as function pointers, so kernel TUs stay
@@ -182,6 +188,28 @@ struct MatrixEngine {
   // lays them out. D a multiple of 32. nullptr where our tile loop does not run.
   void (*decode_scores_bf16)(const bf16_t* qt, int R, const bf16_t* k, int64_t kst, int groups,
                              int D, float* S, int lds) = nullptr;
+  // Set on the cost probe's engines only (nullptr otherwise): the clock the kernels time
+  // their MatrixPhase spans with, and where they add them.
+  int64_t (*clock_ns)() = nullptr;
+  void (*add_phase_ns)(int phase, int64_t ns) = nullptr;
+};
+
+// Times one MatrixPhase span on a profiling engine; a load and a branch otherwise.
+class MatrixPhaseTimer {
+ public:
+  MatrixPhaseTimer(const MatrixEngine* e, MatrixPhase phase)
+      : e_(e->clock_ns != nullptr ? e : nullptr), phase_(static_cast<int>(phase)),
+        t0_(e_ != nullptr ? e_->clock_ns() : 0) {}
+  ~MatrixPhaseTimer() {
+    if (e_ != nullptr) e_->add_phase_ns(phase_, e_->clock_ns() - t0_);
+  }
+  MatrixPhaseTimer(const MatrixPhaseTimer&) = delete;
+  MatrixPhaseTimer& operator=(const MatrixPhaseTimer&) = delete;
+
+ private:
+  const MatrixEngine* e_;
+  int phase_;
+  int64_t t0_;
 };
 
 // Query rows per decode_scores_bf16 call, and the columns of its score tiles for R rows.

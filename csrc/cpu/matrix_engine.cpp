@@ -152,17 +152,27 @@ std::atomic<bool> g_bf16_reference{false};
 
 // The cost probe (benchmarks/profile_prefill.py): while on, calls go through timing
 // wrappers of the engine they would have used, and the op adds each worker's busy time,
-// so the time outside the GEMMs is busy - gemm on any CPU, without perf. Per-thread sums,
-// folded into the totals when a worker ends its region (matrix_engine_release).
+// so the time outside the GEMMs is busy - gemm on any CPU, without perf. The op's packing
+// region counts apart as well, and the kernels time their MatrixPhase spans. Per-thread
+// sums, folded into the totals when a worker ends its region (matrix_engine_release).
+constexpr int kPhases = static_cast<int>(MatrixPhase::kCount);
 std::atomic<bool> g_profile{false};
-std::atomic<int64_t> g_gemm_ns{0}, g_gemm_calls{0}, g_busy_ns{0};
+std::atomic<int64_t> g_gemm_ns{0}, g_gemm_calls{0}, g_busy_ns{0}, g_pack_ns{0};
+std::atomic<int64_t> g_phase_ns[kPhases] = {};
 thread_local int64_t t_gemm_ns = 0, t_gemm_calls = 0;
+thread_local int64_t t_phase_ns[kPhases] = {};
+thread_local bool t_phase_timed = false;
 const MatrixEngine* g_profiled_base = nullptr;  // set before the profiled engine is returned
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+void add_phase_ns(int phase, int64_t ns) {
+  t_phase_ns[phase] += ns;
+  t_phase_timed = true;
 }
 
 void profiled_gemm_f32(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
@@ -204,6 +214,10 @@ const MatrixEngine* matrix_engine() {
     profiled.decode_scores_bf16 = engine.decode_scores_bf16;
     profiled_brgemm.gemm_bf16_vnni = profiled.gemm_bf16_vnni;
     profiled_reference.gemm_bf16_vnni = &profiled_gemm_bf16_vnni;
+    for (MatrixEngine* e : {&profiled, &profiled_reference, &profiled_brgemm}) {
+      e->clock_ns = &now_ns;
+      e->add_phase_ns = &add_phase_ns;
+    }
   });
   if (!usable) return nullptr;
   const bool reference = g_bf16_reference.load();
@@ -220,6 +234,11 @@ bool matrix_engine_profiling() { return g_profile.load(std::memory_order_relaxed
 
 void matrix_engine_add_busy(int64_t ns) { g_busy_ns += ns; }
 
+void matrix_engine_add_pack_busy(int64_t ns) {
+  g_busy_ns += ns;
+  g_pack_ns += ns;
+}
+
 int64_t matrix_engine_clock_ns() { return now_ns(); }
 
 void matrix_engine_release() {
@@ -227,6 +246,13 @@ void matrix_engine_release() {
     g_gemm_ns += t_gemm_ns;
     g_gemm_calls += t_gemm_calls;
     t_gemm_ns = t_gemm_calls = 0;
+  }
+  if (t_phase_timed) {
+    for (int i = 0; i < kPhases; ++i) {
+      g_phase_ns[i] += t_phase_ns[i];
+      t_phase_ns[i] = 0;
+    }
+    t_phase_timed = false;
   }
   release_thread_tiles();
 }
@@ -368,16 +394,23 @@ static at::Tensor matrix_pack_rows_op(const at::Tensor& rows, const at::Tensor& 
   return out;
 }
 
-// The cost probe: on/off (switching clears the totals), and the totals since:
-// [busy ns of the matrix-kernel calls' workers, ns inside the GEMMs, GEMM calls].
+// The cost probe: on/off (switching clears the totals), and the totals since: [busy ns
+// of the matrix-kernel calls' workers, ns inside the GEMMs, GEMM calls, ns of the calls'
+// packing regions (part of busy), then ns per MatrixPhase (queries, softmax, tile packs,
+// finish; parts of busy outside the GEMMs)].
 static void matrix_engine_profile_op(bool on) {
   g_busy_ns = 0;
   g_gemm_ns = 0;
   g_gemm_calls = 0;
+  g_pack_ns = 0;
+  for (auto& ns : g_phase_ns) ns = 0;
   g_profile = on;
 }
 static std::vector<int64_t> matrix_engine_profile_totals_op() {
-  return {g_busy_ns.load(), g_gemm_ns.load(), g_gemm_calls.load()};
+  std::vector<int64_t> totals{g_busy_ns.load(), g_gemm_ns.load(), g_gemm_calls.load(),
+                              g_pack_ns.load()};
+  for (const auto& ns : g_phase_ns) totals.push_back(ns.load());
+  return totals;
 }
 
 }  // namespace pagedattn

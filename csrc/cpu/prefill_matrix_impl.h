@@ -278,11 +278,15 @@ struct MatrixPrefill {
     const int M = matrix_gemm_rows(R);
     const int lds = NK + 16;
     const Buffers<E> b = carve<E>(scratch, M, D, NK, lds);
-    Rows rows = init_rows(p, it, R, M, b.state);
+    Rows rows;
+    {
+      MatrixPhaseTimer timer(p.matrix, MatrixPhase::kQueries);
+      rows = init_rows(p, it, R, M, b.state);
+      load_queries<E>(p, it, R, M, b.q);
+    }
     // softmax_tile's per-row-block scratch, after the row state (2M + 6R floats + padding)
     float* block = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(b.state + 8 * M + 16) + 63) / 64 * 64);
-    load_queries<E>(p, it, R, M, b.q);
     // Rows past R: zero queries (load_queries), so zero scores, which read as bf16 are
     // zero probabilities too; acc is written by the first PV GEMM (add off) or zeroed
     // before the first per-row sum.
@@ -303,6 +307,7 @@ struct MatrixPrefill {
         kt = static_cast<const E*>(p.packed->tiles) + idx * p.packed->tile_elems();
         v_nonfinite = p.packed->v_nonfinite[idx] != 0;
       } else {
+        MatrixPhaseTimer timer(p.matrix, MatrixPhase::kTilePack);
         v_nonfinite = pack_tile<E>(p, it.req, it.kv_head, t, NK, vis, b.tile, b.conv);
         kt = b.tile;
       }
@@ -320,8 +325,11 @@ struct MatrixPrefill {
       // bf16 probabilities overwrite their own scores (row_exp): no second buffer to miss
       // in; the per-row V path reads them as fp32 instead.
       bf16_t* P = kBf16 && !by_row ? reinterpret_cast<bf16_t*>(b.S) : nullptr;
-      softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, P, key0, NK, full,
-                   rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block);
+      {
+        MatrixPhaseTimer timer(p.matrix, MatrixPhase::kSoftmax);
+        softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, P, key0, NK, full,
+                     rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block);
+      }
       out_prefetch.step();
       if (by_row) {
         if (!acc_ready) std::memset(static_cast<void*>(b.acc), 0, sizeof(float) * M * D);
@@ -340,6 +348,7 @@ struct MatrixPrefill {
       else p.matrix->gemm_f32(M, D, nk, lds, D, D, acc_ready, b.S, vt, b.acc);
       acc_ready = true;
     }
+    MatrixPhaseTimer timer(p.matrix, MatrixPhase::kFinish);
     if (!acc_ready) std::memset(static_cast<void*>(b.acc), 0, sizeof(float) * M * D);
     Base::finish(p, it, b.acc, rows.m, rows.l);
   }
