@@ -315,9 +315,7 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
             self._write_cache(key, value, key_cache, value_cache, attn_metadata, k_scale, v_scale)
 
         self._attend(query[:num_tokens], key_cache, value_cache, output[:num_tokens],
-                     attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                     attn_metadata.block_table, attn_metadata.scheduler_metadata,
-                     attn_metadata.causal, k_scale, v_scale)
+                     attn_metadata, k_scale, v_scale)
         return output
 
     def direct_call(self, layer: AttentionLayer, kv_cache: torch.Tensor,
@@ -344,14 +342,14 @@ class CPUAttentionBackendImpl(AttentionImpl[CPUAttentionMetadata]):
         cpu_runtime.write_cache(key, value, key_cache, value_cache, md.slot_mapping,
                                 k_scale, v_scale)
 
-    def _attend(self, query, key_cache, value_cache, output, query_start_loc, seq_lens,
-                block_table, scheduler_metadata, causal: bool, k_scale: float,
-                v_scale: float) -> None:
+    def _attend(self, query, key_cache, value_cache, output, md: CPUAttentionMetadata,
+                k_scale: float, v_scale: float) -> None:
         cpu_runtime.attend(
-            query, key_cache, value_cache, output, query_start_loc=query_start_loc,
-            seq_lens=seq_lens, block_table=block_table, scheduler_metadata=scheduler_metadata,
-            scale=self.scale, causal=causal, window=self.sliding_window,
-            alibi_slopes=self.alibi_slopes, softcap=self.logits_soft_cap, sinks=self.sinks,
+            query, key_cache, value_cache, output, query_start_loc=md.query_start_loc,
+            seq_lens=md.seq_lens, block_table=md.block_table,
+            scheduler_metadata=md.scheduler_metadata, scale=self.scale, causal=md.causal,
+            window=self.sliding_window, alibi_slopes=self.alibi_slopes,
+            softcap=self.logits_soft_cap, sinks=self.sinks,
             k_scale=k_scale, v_scale=v_scale)
 
     def _kv_scales(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> tuple[float, float]:
