@@ -157,6 +157,36 @@ def test_a_key_a_row_cannot_see_adds_nothing(isa, bad, dtype_name, microkernel):
     assert_matches_reference(got[:5], run_reference(poisoned, args)[:5], DTYPES[dtype_name])
 
 
+JUMP_BATCH = BatchSpec("max_jumps", (700,), (700,))
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("dtype_name, microkernel", [("fp32", None), ("fp16", None),
+                                                       ("bf16", "reference"), ("bf16", "brgemm"),
+                                                       ("bf16", "tiles")])
+@pytest.mark.parametrize("feature", ["causal", "window", "noncausal"])
+def test_a_max_that_jumps_after_a_rows_first_tile(isa, feature, head_size, dtype_name,
+                                                  microkernel):
+    """Tiles every row of an item sees whole take one softmax pass against the rows' running
+    max; a key whose logits pass it by far more than the lazy-max margin (here two: in the
+    second and the third key tile) sends the row block back to its scores and the two
+    passes. Rows before such a key, rows after it, and rows that see it in a tile they see
+    only in part (the diagonal, a window's edge) must all match the reference."""
+    batch = case_inputs(JUMP_BATCH, dtype_name, head_size, 16, 8, 2)
+    tile = 256 if head_size < 128 else 128  # matrix_tile_keys
+    query = batch.query.float() * 0.25 + 1.0  # every head leans along the ones vector
+    key_cache = batch.key_cache.clone()
+    for key, height in ((tile + 40, 3.0), (2 * tile + 5, 6.0)):
+        block, offset = int(batch.block_table[0, key // 16]), key % 16
+        key_cache[block, :, offset, :] = height
+    jumped = type(batch)(**{**batch.__dict__, "query": query.to(batch.query.dtype),
+                            "key_cache": key_cache})
+    args = feature_args(feature, 8, head_size)
+    with bf16_microkernel(microkernel) if microkernel else contextlib.nullcontext():
+        got = run_native(jumped, args, block_size=16, hint=MATRIX)
+    assert_matches_reference(got, run_reference(jumped, args), DTYPES[dtype_name])
+
+
 def test_the_hint_selects_another_kernel(isa):
     """fp32 sums in another order on the GEMMs: 'amx' and 'vec' agree to rounding but not
     bit for bit, so the hint reached the kernel (and decode rows, which stay on the vector

@@ -5,7 +5,8 @@
 //
 //   S[M, NK]  = Q[M, D] . K^T[D, NK]        (Q rows as A, K^T packed as B: no transpose)
 //   S -> P    : scale/softcap, ALiBi, masks (tiles a row sees only in part), lazy running
-//               max, vector exp, one max, sum and rescale per row and tile (softmax_tile)
+//               max, vector exp, one max, sum and rescale per row and tile (softmax_tile);
+//               one pass over the scores where the rows already have a max
 //   O[M, D]  += P[M, NK] . V[NK, D]         (V packed as B)
 //
 // K/V tiles are packed once per call for every (request, kv head) that has matrix items
@@ -327,8 +328,15 @@ struct MatrixPrefill {
       bf16_t* P = kBf16 && !by_row ? reinterpret_cast<bf16_t*>(b.S) : nullptr;
       {
         MatrixPhaseTimer timer(p.matrix, MatrixPhase::kSoftmax);
+        // Scores of rows [r0, r0 + W) again, for a block whose one pass found a row's max
+        // moved after its probabilities had overwritten them.
+        const auto rescore = [&](int r0) {
+          if constexpr (kBf16)
+            p.matrix->gemm_bf16_vnni(W, nk, D, D, NK, lds, false, b.q + r0 * D, kt, b.S + r0 * lds);
+          else p.matrix->gemm_f32(W, nk, D, D, NK, lds, false, b.q + r0 * D, kt, b.S + r0 * lds);
+        };
         softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, P, key0, NK, full,
-                     rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block);
+                     rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block, rescore);
       }
       out_prefetch.step();
       if (by_row) {
@@ -361,17 +369,39 @@ struct MatrixPrefill {
   // rows) and l run with rows in lanes, and only rows whose max moved rescale their
   // accumulators. Vectors past a row's visible keys are zeros without an exp; lanes are
   // masked only where the tile is not `full` (seen whole by every row of the item).
+  // Blocks of W rows that all have a running max, under the plain scale, take one pass:
+  // their probabilities against the max the rows already have (row_exp<true>: masks
+  // inline, the logits only checked against that max). Where a row's would move it
+  // (rare after a row's first tile), rescore(r0) computes the block's scores again (its
+  // probabilities overwrote them) and the block takes the two passes.
   // block: 64 + W * W floats, 64-byte aligned.
+  template <class Rescore>
   static void softmax_tile(const AttnParams& p, const ScoreTransform<VO>& tr, int head0, int G,
                            float* S, int lds, bf16_t* P, int64_t key0, int NK, bool full,
                            const Rows& rows, int R, float* acc, bool acc_ready, int D,
-                           bool keep_f32, float* block) {
+                           bool keep_f32, float* block, const Rescore& rescore) {
     float* mx = block;             // [W] each row's tile max (scaled)
     float* mu = block + W;         // [W]
     float* corr = block + 2 * W;   // [W]
     V* sums = reinterpret_cast<V*>(block + 64);  // [W], 64-byte aligned (block is)
+    const bool plain_scale = !tr.softcap && !tr.alibi && p.scale > 0.f;
     for (int r0 = 0; r0 < R; r0 += W) {
       const int n = std::min(W, R - r0);
+      if (plain_scale && n == W && !VO::any(VO::eq(VO::load(rows.m + r0), VO::set1(kNegInf)))) {
+        bool kept = true;
+        for (int i = 0; i < W && kept; ++i) {
+          const int r = r0 + i;
+          const int tl = static_cast<int>(std::max<int64_t>(0, rows.lo[r] - key0));
+          const int th = static_cast<int>(std::min<int64_t>(NK - 1, rows.hi[r] - key0));
+          sums[i] = row_exp<true>(p, tr, S + r * lds, P != nullptr ? P + 2 * r * lds : nullptr,
+                                  NK, tl, th, rows.m[r], keep_f32, full, &kept);
+        }
+        if (kept) {
+          VO::store(rows.l + r0, VO::add(VO::load(rows.l + r0), VO::reduce_lanes(sums)));
+          continue;
+        }
+        rescore(r0);
+      }
       int vis_lo[W], vis_hi[W];
       for (int i = 0; i < W; ++i) {
         mx[i] = kNegInf;
@@ -388,8 +418,8 @@ struct MatrixPrefill {
       VO::store(corr, ms.corr);
       for (int i = 0; i < W; ++i) {
         const int r = r0 + i;
-        sums[i] = i < n ? row_exp(p, tr, S + r * lds, P != nullptr ? P + 2 * r * lds : nullptr, NK,
-                                  vis_lo[i], vis_hi[i], mu[i], keep_f32, full)
+        sums[i] = i < n ? row_exp<false>(p, tr, S + r * lds, P != nullptr ? P + 2 * r * lds : nullptr,
+                                         NK, vis_lo[i], vis_hi[i], mu[i], keep_f32, full)
                         : VO::zero();
       }
       VO::store(rows.l + r0, VO::fma(VO::load(rows.l + r0), ms.corr, VO::reduce_lanes(sums)));
@@ -444,13 +474,20 @@ struct MatrixPrefill {
     return fold_scale ? VO::hmax(mxv) * p.scale : VO::hmax(mxv);
   }
 
-  // p = exp(logit - mu) over the row's visible vectors (zeros elsewhere, no exp), into P
-  // (bf16) and/or s (keep_f32); returns the vector of their sums. seen: the tile is seen
-  // whole (no hidden lane). P may be s itself: bf16
-  // value t then lands on bytes of fp32 value t / 2, which every step has read before it
-  // stores (the compiler barrier keeps the stores after the loads for any element type).
+  // p = exp(logit - mu) over the row's visible vectors [tl, th] (zeros elsewhere, no exp),
+  // into P (bf16) and/or s (keep_f32); returns the vector of their sums. seen: the tile is
+  // seen whole (no hidden lane). P may be s itself: bf16 value t then lands on bytes of
+  // fp32 value t / 2, which every step has read before it stores (the compiler barrier
+  // keeps the stores after the loads for any element type).
+  // kOnePass: s holds raw scores under the plain scale, mu is the row's running max, and
+  // the lanes outside [tl, th] are hidden here (row_max does it for the two passes);
+  // *kept turns false where a logit passes mu by more than kLazyMax (the two passes would
+  // move the max), and the row's outputs are then not to be used.
+  template <bool kOnePass>
   static V row_exp(const AttnParams& p, const ScoreTransform<VO>& tr, float* s, bf16_t* P,
-                   int NK, int tl, int th, float mu, bool keep_f32, bool seen) {
+                   int NK, int tl, int th, float mu, bool keep_f32, bool seen,
+                   bool* kept = nullptr) {
+    using VI = typename VO::VI;
     const auto zero_vec = [&](int t) {
       if (P != nullptr) VO::cvt_store(P + t, VO::zero());
       if (keep_f32) VO::store(s + t, VO::zero());
@@ -461,51 +498,59 @@ struct MatrixPrefill {
       return sum;
     }
     const int va = tl / W * W, vb = th / W * W;
-    const bool fold_scale = !tr.softcap && !tr.alibi && p.scale > 0.f;
+    const bool fold_scale = kOnePass || (!tr.softcap && !tr.alibi && p.scale > 0.f);
+    const bool natural = std::is_same<T, float>::value && !(P != nullptr && !keep_f32);
+    // exp(x * scale - mu) = 2^(x * scale * log2 e - mu * log2 e) outside the fp32 path
+    constexpr float kLog2e = 1.44269504f;
+    const float unit = natural ? 1.f : kLog2e;
+    const V sv = VO::set1((fold_scale ? p.scale : 1.f) * unit);
+    const V neg_mu = VO::set1(-mu * unit);
+    V top = VO::set1(kNegInf);
+    const VI iota = VO::iotai(), tlv = VO::set1i(tl), thv = VO::set1i(th);
+    const auto logit = [&](int t) {
+      V x = VO::load(s + t);
+      if (kOnePass && !seen && (t < tl || t + W - 1 > th))
+        x = tr.hide(x, tlv, VO::addi(iota, VO::set1i(t)), thv);
+      const V y = VO::fma(x, sv, neg_mu);
+      if (kOnePass) top = VO::max(top, y);
+      return y;
+    };
+    const auto exp2 = [seen](V x) {
+      return seen ? ProbVec<VO>::exp2_seen(x) : ProbVec<VO>::exp2(x);
+    };
     for (int t = 0; t < va; t += W) zero_vec(t);
     if (P != nullptr && !keep_f32) {
-      // exp(x * scale - mu) = 2^(x * scale * log2 e - mu * log2 e)
-      constexpr float kLog2e = 1.44269504f;
-      const V sv = VO::set1((fold_scale ? p.scale : 1.f) * kLog2e);
-      const V neg_mu = VO::set1(-mu * kLog2e);
-      const auto exp2 = [seen](V x) {
-        return seen ? ProbVec<VO>::exp2_seen(x) : ProbVec<VO>::exp2(x);
-      };
       int t = va;
       for (; t + W <= vb; t += 2 * W) {  // two vectors a step: one bf16 conversion
-        const V e0 = exp2(VO::fma(VO::load(s + t), sv, neg_mu));
-        const V e1 = exp2(VO::fma(VO::load(s + t + W), sv, neg_mu));
+        const V e0 = exp2(logit(t));
+        const V e1 = exp2(logit(t + W));
         sum = VO::add(sum, VO::add(e0, e1));
         asm volatile("" ::: "memory");
         ProbVec<VO>::store_bf16_pair(P + t, e0, e1);
       }
       if (t <= vb) {
-        const V e = exp2(VO::fma(VO::load(s + t), sv, neg_mu));
+        const V e = exp2(logit(t));
         sum = VO::add(sum, e);
         asm volatile("" ::: "memory");
         ProbVec<VO>::store_bf16(P + t, e);
       }
-    } else if (!std::is_same<T, float>::value) {
+    } else if (!natural) {
       // fp32 probabilities for bf16 / fp16 outputs (the fp32 GEMMs of CPUs without a bf16
       // one): ProbVec's 2^x is far more precise than those outputs' rounding.
-      constexpr float kLog2e = 1.44269504f;
-      const V sv = VO::set1((fold_scale ? p.scale : 1.f) * kLog2e);
-      const V neg_mu = VO::set1(-mu * kLog2e);
       for (int t = va; t <= vb; t += W) {
-        const V x = VO::fma(VO::load(s + t), sv, neg_mu);
-        const V e = seen ? ProbVec<VO>::exp2_seen(x) : ProbVec<VO>::exp2(x);
+        const V e = exp2(logit(t));
         sum = VO::add(sum, e);
         VO::store(s + t, e);
       }
     } else {
-      const V sv = VO::set1(fold_scale ? p.scale : 1.f), neg_mu = VO::set1(-mu);
       for (int t = va; t <= vb; t += W) {
-        const V e = VO::exp(VO::fma(VO::load(s + t), sv, neg_mu));
+        const V e = VO::exp(logit(t));
         sum = VO::add(sum, e);
         VO::store(s + t, e);
       }
     }
     for (int t = vb + W; t < NK; t += W) zero_vec(t);
+    if (kOnePass && VO::any(VO::lt(VO::set1(kLazyMax * unit), top))) *kept = false;
     return sum;
   }
 
