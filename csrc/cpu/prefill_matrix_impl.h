@@ -335,7 +335,8 @@ struct MatrixPrefill {
             p.matrix->gemm_bf16_vnni(W, nk, D, D, NK, lds, false, b.q + r0 * D, kt, b.S + r0 * lds);
           else p.matrix->gemm_f32(W, nk, D, D, NK, lds, false, b.q + r0 * D, kt, b.S + r0 * lds);
         };
-        softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, P, key0, NK, full,
+        // nk columns: the PV GEMM reads no probability past them
+        softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, P, key0, nk, full,
                      rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block, rescore);
       }
       out_prefetch.step();
