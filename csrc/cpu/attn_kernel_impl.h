@@ -640,7 +640,7 @@ struct AttnKernel {
     const VI iota = VO::iotai();
     // Plain scores (no softcap, no ALiBi) stay unscaled: the scale is folded into the
     // exponent's FMA below, which saves a load-multiply-store pass over the block.
-    const bool fold_scale = !tr.softcap && !tr.alibi && p.scale > 0.f;
+    const bool fold_scale = tr.plain_scale;
     if (!fold_scale) {
       const V slope = VO::set1(tr.alibi ? p.alibi[qhead] : 0.f);
       for (int t = tl / W * W; t <= th; t += W) {

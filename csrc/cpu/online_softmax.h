@@ -59,10 +59,14 @@ struct ScoreTransform {
   using V = typename VO::V;
   using VI = typename VO::VI;
   bool softcap, alibi;
+  // Logits are the plain positive scale times the scores: callers may fold the scale into
+  // the exp's FMA and take the max of the raw scores.
+  bool plain_scale;
   V scale, over, cap;  // over = scale / softcap
 
   explicit ScoreTransform(const AttnParams& p)
-      : softcap(p.softcap > 0.f), alibi(p.alibi != nullptr), scale(VO::set1(p.scale)),
+      : softcap(p.softcap > 0.f), alibi(p.alibi != nullptr),
+        plain_scale(!softcap && !alibi && p.scale > 0.f), scale(VO::set1(p.scale)),
         over(VO::set1(p.softcap > 0.f ? p.scale / p.softcap : 0.f)), cap(VO::set1(p.softcap)) {}
 
   V scaled(V s) const { return softcap ? softcap_scores<VO>(s, over, cap) : VO::mul(s, scale); }

@@ -317,8 +317,13 @@ struct MatrixPrefill {
       // its last visible one, in steps of 32: a few more GEMM shapes, for ~15% less GEMM
       // work at 4 x 512 (docs/performance.md).
       const int nk = static_cast<int>(std::min<int64_t>(NK, (rows.uhi - key0 + 32) / 32 * 32));
-      if constexpr (kBf16) p.matrix->gemm_bf16_vnni(M, nk, D, D, NK, lds, false, b.q, kt, b.S);
-      else p.matrix->gemm_f32(M, nk, D, D, NK, lds, false, b.q, kt, b.S);
+      // Scores of query rows [r0, r0 + m) over the tile's first nk keys.
+      const auto scores = [&](int r0, int m) {
+        if constexpr (kBf16)
+          p.matrix->gemm_bf16_vnni(m, nk, D, D, NK, lds, false, b.q + r0 * D, kt, b.S + r0 * lds);
+        else p.matrix->gemm_f32(m, nk, D, D, NK, lds, false, b.q + r0 * D, kt, b.S + r0 * lds);
+      };
+      scores(0, M);
       const bool full = rows.max_lo <= key0 && rows.min_hi >= key0 + NK - 1;
       // A key a row cannot see must add nothing to it, not 0 * V (NaN for a non-finite
       // value): tiles that some rows see in part and whose V holds one sum each row's own.
@@ -328,13 +333,9 @@ struct MatrixPrefill {
       bf16_t* P = kBf16 && !by_row ? reinterpret_cast<bf16_t*>(b.S) : nullptr;
       {
         MatrixPhaseTimer timer(p.matrix, MatrixPhase::kSoftmax);
-        // Scores of rows [r0, r0 + W) again, for a block whose one pass found a row's max
-        // moved after its probabilities had overwritten them.
-        const auto rescore = [&](int r0) {
-          if constexpr (kBf16)
-            p.matrix->gemm_bf16_vnni(W, nk, D, D, NK, lds, false, b.q + r0 * D, kt, b.S + r0 * lds);
-          else p.matrix->gemm_f32(W, nk, D, D, NK, lds, false, b.q + r0 * D, kt, b.S + r0 * lds);
-        };
+        // A block whose one pass found a row's max moved gets its scores again: its
+        // probabilities overwrote them.
+        const auto rescore = [&](int r0) { scores(r0, W); };
         // nk columns: the PV GEMM reads no probability past them
         softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, P, key0, nk, full,
                      rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block, rescore);
@@ -385,15 +386,14 @@ struct MatrixPrefill {
     float* mu = block + W;         // [W]
     float* corr = block + 2 * W;   // [W]
     V* sums = reinterpret_cast<V*>(block + 64);  // [W], 64-byte aligned (block is)
-    const bool plain_scale = !tr.softcap && !tr.alibi && p.scale > 0.f;
     for (int r0 = 0; r0 < R; r0 += W) {
       const int n = std::min(W, R - r0);
-      if (plain_scale && n == W && !VO::any(VO::eq(VO::load(rows.m + r0), VO::set1(kNegInf)))) {
+      if (tr.plain_scale && n == W && !VO::any(VO::eq(VO::load(rows.m + r0), VO::set1(kNegInf)))) {
         bool kept = true;
         for (int i = 0; i < W && kept; ++i) {
           const int r = r0 + i;
-          const int tl = static_cast<int>(std::max<int64_t>(0, rows.lo[r] - key0));
-          const int th = static_cast<int>(std::min<int64_t>(NK - 1, rows.hi[r] - key0));
+          int tl, th;
+          keys_in_tile(rows.lo[r], rows.hi[r], key0, NK, &tl, &th);
           sums[i] = row_exp<true>(p, tr, S + r * lds, P != nullptr ? P + 2 * r * lds : nullptr,
                                   NK, tl, th, rows.m[r], keep_f32, full, &kept);
         }
@@ -431,6 +431,12 @@ struct MatrixPrefill {
     }
   }
 
+  // A row's visible keys [lo, hi] as columns [*tl, *th] of the tile at key0 (*tl > *th: none).
+  static void keys_in_tile(int64_t lo, int64_t hi, int64_t key0, int NK, int* tl, int* th) {
+    *tl = static_cast<int>(std::max<int64_t>(0, lo - key0));
+    *th = static_cast<int>(std::min<int64_t>(NK - 1, hi - key0));
+  }
+
   // One row's scores s[0, NK) -> logits (scale or softcap, ALiBi; the plain scale is left
   // for row_exp's FMA), masked outside the row's visible keys where the tile is not full;
   // returns their max (-inf: nothing visible) and the row's visible keys [*tl, *th]
@@ -439,12 +445,12 @@ struct MatrixPrefill {
                        int64_t key0, int NK, bool full, int64_t lo, int64_t hi, int64_t ps,
                        int* tl_out, int* th_out) {
     using VI = typename VO::VI;
-    const int tl = static_cast<int>(std::max<int64_t>(0, lo - key0));
-    const int th = static_cast<int>(std::min<int64_t>(NK - 1, hi - key0));
+    int tl, th;
+    keys_in_tile(lo, hi, key0, NK, &tl, &th);
     *tl_out = tl, *th_out = th;
     if (tl > th) return kNegInf;
     const int va = tl / W * W, vb = th / W * W;  // first and last vector with a visible key
-    const bool fold_scale = !tr.softcap && !tr.alibi && p.scale > 0.f;
+    const bool fold_scale = tr.plain_scale;
     if (!fold_scale) {
       const VI iota = VO::iotai();
       const V slope = VO::set1(tr.alibi ? p.alibi[qhead] : 0.f);
@@ -499,7 +505,7 @@ struct MatrixPrefill {
       return sum;
     }
     const int va = tl / W * W, vb = th / W * W;
-    const bool fold_scale = kOnePass || (!tr.softcap && !tr.alibi && p.scale > 0.f);
+    const bool fold_scale = kOnePass || tr.plain_scale;
     const bool natural = std::is_same<T, float>::value && !(P != nullptr && !keep_f32);
     // exp(x * scale - mu) = 2^(x * scale * log2 e - mu * log2 e) outside the fp32 path
     constexpr float kLog2e = 1.44269504f;
