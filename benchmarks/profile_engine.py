@@ -56,7 +56,7 @@ _GEMM_SYMBOLS = re.compile(r"dnnl|mkldnn|brgemm|gemm|blas|mkl_|linear_dp|packed_
 _PERF_MAP = re.compile(r"perf-\d+\.map")
 _ATTENTION_SYMBOLS = re.compile(r"AttnKernel|attend|QkDp|PvDp|softmax|MatrixPrefill|TilePack|"
                                 r"decode_scores|transpose_scores|"
-                                r"pack_matrix|matrix_pack|PrefetchCursor|execute_plan|attn_item|"
+                                r"matrix_pack|PrefetchCursor|execute_plan|attn_item|"
                                 r"merge|slot_row|cache_write|reshape_and_cache|attention")
 
 

@@ -13,9 +13,10 @@ For each row (a causal bf16 prefill, 32/8 heads x 128, block 32 by default) it r
   GEMM microkernel calls and the rest of the workers' busy time: packing, the softmax,
   masking, bookkeeping. That split needs no ``perf`` and no AMX: it is what this file's
   target (``<= 0.4 ns`` per pair outside the GEMMs on AVX-512) is measured with. The time
-  outside is split again by the probe's own timers: ``pack`` (the call's K/V packing
-  region), ``queries`` (each item's row state and Q rows in), ``softmax`` (between the
-  GEMMs, masks included), ``tile_pack`` (tiles an item packs itself), ``finish`` (output
+  outside is split again by the probe's own timers: ``pack`` (the call's shared K/V
+  tiles, each packed by the first item that reads it), ``queries`` (each item's row state and Q rows in), ``softmax`` (between the
+  GEMMs, masks included), ``tile_pack`` (tiles an item packs for itself alone: requests past the
+  shared buffer's budget), ``finish`` (output
   rows out) and ``rest`` (the loops around them). The JSON also has the time outside per
   query row (tokens x heads), the part that does not shrink with longer rows;
 * side by side, on the same inputs, calls alternating, median of ``--repeat``: the matrix

@@ -215,6 +215,29 @@ def test_repeat_call_and_thread_count_are_bit_identical(isa):
     assert torch.equal(first, one_thread)
 
 
+@pytest.mark.parametrize("threads", [2, 6])
+def test_items_racing_for_a_tile_read_it_packed_once(isa, threads):
+    """Each shared K/V tile is packed by the first item that reads it; items that find it
+    claimed pack the tiles after it or wait. Many query tiles of one kv head over a few
+    tiles, on up to more threads than cores (waits while the packer is descheduled). Two
+    batches alternate, so the call's buffer always holds the other batch's tiles first:
+    every call is bit for bit its batch's one-thread result, which matches the reference."""
+    spec = BatchSpec("racing", (1024, 600), (1024, 600))
+    batches = [case_inputs(spec, "bf16", 64, 16, 8, 2, seed=seed) for seed in (1, 2)]
+    args = feature_args("causal", 8, 64)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [run_native(b, args, block_size=16, hint=MATRIX) for b in batches]
+        torch.set_num_threads(threads)
+        for i in (1, 0, 1, 0):
+            assert torch.equal(run_native(batches[i], args, block_size=16, hint=MATRIX), alone[i])
+    finally:
+        torch.set_num_threads(saved)
+    for batch, out in zip(batches, alone):
+        assert_matches_reference(out, run_reference(batch, args), DTYPES["bf16"])
+
+
 # The packing routines of the current ISA (register transposes on AVX-512, plain loops
 # elsewhere) against the layouts written out element by element.
 def _rows_and_presence(shape, dtype, seed):
@@ -334,7 +357,7 @@ def test_pack_limit_rejects_a_negative_budget():
 def test_cost_probe_splits_busy_time_into_gemm_and_the_rest(isa, batch_name, limit):
     """The probe's native timers (benchmarks/profile_prefill.py): while on, the GEMM calls
     are counted and timed, and their time is part of the workers' busy time, as are the
-    packing region's and the items' phases outside the GEMMs. Decode rows
+    items' phases outside the GEMMs, their packing included. Decode rows
     (the mixed batch) keep their kernel: decode scores stay on the tiles where they run."""
     batch = case_inputs(batch_name, "bf16", 64, 16, 8, 2)
     args = feature_args("causal", 8, 64)
@@ -348,10 +371,10 @@ def test_cost_probe_splits_busy_time_into_gemm_and_the_rest(isa, batch_name, lim
     finally:
         torch.ops.pagedattn.matrix_engine_profile(False)
     assert calls > 0 and 0 < gemm_ns <= busy_ns
-    # The packing region and the items' phases (queries, softmax, tile packs, finish) are
-    # parts of the busy time outside the GEMMs; every item takes its queries, runs a
-    # softmax per tile and finishes. Tiles are packed by the call's region, or (no
-    # budget) by the items that read them.
+    # The items' phases (shared tiles packed, queries, softmax, own tile packs, finish)
+    # are parts of the busy time outside the GEMMs; every item takes its queries, runs a
+    # softmax per tile and finishes. Tiles go to the call's shared buffer, each packed by
+    # the first item that reads it, or (no budget) every item packs its own.
     queries_ns, softmax_ns, tile_pack_ns, finish_ns = phase_ns
     assert queries_ns > 0 and softmax_ns > 0 and finish_ns > 0
     if limit is None:

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -572,14 +573,13 @@ constexpr int64_t kMaxPackedBytes = int64_t{256} << 20;
 std::atomic<int64_t> g_pack_limit{kMaxPackedBytes};
 // A pack buffer this large is freed after its call rather than kept for the next.
 constexpr int64_t kKeptPackBytes = int64_t{32} << 20;
-constexpr int64_t kTilesPerPackJob = 4;
 
-// Packs the K/V tiles of every (request, kv head) with matrix items, once for all of its
-// query tiles, on the pool (one region before the items' region), and points p.packed at
-// them. pack/pack_req/the thread's pack workspace hold them until the call returns.
-void pack_matrix_tiles(AttnParams& p, const CheckedPlan& plan, const KernelTable* kt,
-                       int64_t nworkers, float* scr, int64_t scratch_floats, MatrixPack& pack,
-                       std::vector<int64_t>& pack_req) {
+// Lays out the K/V tiles of every (request, kv head) with matrix items in the thread's
+// pack workspace, none packed yet (the items pack each tile as they first read it:
+// kernel_api.h MatrixPack), and points p.packed at them. pack/pack_req/the workspace hold
+// them until the call returns.
+void plan_matrix_pack(AttnParams& p, const CheckedPlan& plan, MatrixPack& pack,
+                      std::vector<int64_t>& pack_req) {
   const int64_t num_reqs = plan.num_reqs;
   const int64_t kvh = p.num_kv_heads, hs = p.head_size;
   const int nk = matrix_tile_keys(p.head_size);
@@ -592,8 +592,6 @@ void pack_matrix_tiles(AttnParams& p, const CheckedPlan& plan, const KernelTable
   }
   pack_req.assign(3 * num_reqs, -1);
   int64_t tiles = 0;
-  struct PackJob { int32_t req, head; int64_t t0, t1; };
-  std::vector<PackJob> jobs;
   for (int64_t r = 0; r < num_reqs; ++r) {
     if (!wants[r]) continue;
     const KeyRange vis =
@@ -605,29 +603,16 @@ void pack_matrix_tiles(AttnParams& p, const CheckedPlan& plan, const KernelTable
     pack_req[3 * r + 1] = first;
     pack_req[3 * r + 2] = count;
     tiles += count * kvh;
-    for (int64_t h = 0; h < kvh; ++h)
-      for (int64_t t = first; t < first + count; t += kTilesPerPackJob)
-        jobs.push_back({static_cast<int32_t>(r), static_cast<int32_t>(h), t,
-                        std::min(first + count, t + kTilesPerPackJob)});
   }
   if (tiles == 0) return;
-  const int64_t flag_floats = align_floats((tiles + 3) / 4);
+  // Per tile two flag bytes (v_nonfinite, state), then the tiles.
+  const int64_t flag_floats = align_floats((2 * tiles + 3) / 4);
   float* buf = pack_workspace().floats(static_cast<size_t>(flag_floats + tiles * tile_bytes / 4));
-  pack = MatrixPack{buf + flag_floats, reinterpret_cast<uint8_t*>(buf), pack_req.data(), nk,
+  uint8_t* flags = reinterpret_cast<uint8_t*>(buf);
+  std::memset(flags + tiles, 0, static_cast<size_t>(tiles));
+  pack = MatrixPack{buf + flag_floats, flags, flags + tiles, pack_req.data(), nk,
                     static_cast<int32_t>(hs), bf16};
   p.packed = &pack;
-  std::atomic<int64_t> next{0};
-  const int64_t njobs = static_cast<int64_t>(jobs.size());
-  const bool profiling = matrix_engine_profiling();
-  at::parallel_for(0, std::min(nworkers, njobs), 1, [&](int64_t b, int64_t e) {
-    for (int64_t w = b; w < e; ++w) {
-      const int64_t start = profiling ? matrix_engine_clock_ns() : 0;
-      for (int64_t i = next.fetch_add(1); i < njobs; i = next.fetch_add(1))
-        kt->matrix_pack(p, jobs[i].req, jobs[i].head, jobs[i].t0, jobs[i].t1,
-                        scr + w * scratch_floats);
-      if (profiling) matrix_engine_add_pack_busy(matrix_engine_clock_ns() - start);
-    }
-  });
 }
 
 // Runs the plan's work items on the pool, then merges the split partials.
@@ -652,8 +637,7 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
   MatrixPack pack{};
   std::vector<int64_t> pack_req;
   AttnParams packed_params = p;
-  if (p.matrix != nullptr && kt->matrix_pack != nullptr)
-    pack_matrix_tiles(packed_params, plan, kt, nworkers, scr, scratch_floats, pack, pack_req);
+  if (p.matrix != nullptr) plan_matrix_pack(packed_params, plan, pack, pack_req);
   const AttnParams& pp = packed_params;
   at::parallel_for(0, nworkers, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {

@@ -765,37 +765,6 @@ void merge_entry(const AttnParams& p, const WorkItem& it, int32_t nsplit, int64_
   else merge_dtype<VN>(p, it, nsplit, split_stride, lse_stride);
 }
 
-template <class VO, class T>
-void matrix_pack_cache(const AttnParams& p, int32_t req, int32_t h, int64_t t0, int64_t t1,
-                       float* scratch) {
-  switch (p.cache_dtype) {
-    case DType::kFp8E4m3: MatrixPrefill<VO, T, fp8_e4m3_t>::pack_tiles(p, req, h, t0, t1, scratch); break;
-    case DType::kFp8E5m2: MatrixPrefill<VO, T, fp8_e5m2_t>::pack_tiles(p, req, h, t0, t1, scratch); break;
-    default: MatrixPrefill<VO, T, T>::pack_tiles(p, req, h, t0, t1, scratch); break;
-  }
-}
-
-template <class VO, class VN>
-void matrix_pack_entry(const AttnParams& p, int32_t req, int32_t h, int64_t t0, int64_t t1,
-                       float* scratch) {
-  const bool wide = p.head_size % VO::W == 0;
-  switch (p.dtype) {
-    case DType::kF32:
-      wide ? matrix_pack_cache<VO, float>(p, req, h, t0, t1, scratch)
-           : matrix_pack_cache<VN, float>(p, req, h, t0, t1, scratch);
-      break;
-    case DType::kBF16:
-      wide ? matrix_pack_cache<VO, bf16_t>(p, req, h, t0, t1, scratch)
-           : matrix_pack_cache<VN, bf16_t>(p, req, h, t0, t1, scratch);
-      break;
-    case DType::kF16:
-      wide ? matrix_pack_cache<VO, fp16_t>(p, req, h, t0, t1, scratch)
-           : matrix_pack_cache<VN, fp16_t>(p, req, h, t0, t1, scratch);
-      break;
-    default: break;
-  }
-}
-
 template <class VO>
 void pack_rows_entry(PackKind kind, const void* const* rows, int nrows, int ncols, void* dst) {
   if (kind == PackKind::kTranspose32)
@@ -809,5 +778,5 @@ void pack_rows_entry(PackKind kind, const void* const* rows, int nrows, int ncol
 template <class VO, class VN = VO>
 KernelTable make_kernel_table(const char* name) {
   return KernelTable{name, &attn_item_entry<VO, VN>, &merge_entry<VO, VN>,
-                     &matrix_pack_entry<VO, VN>, &pack_rows_entry<VO>};
+                     &pack_rows_entry<VO>};
 }

@@ -28,7 +28,6 @@ void matrix_engine_release();
 // to its totals, and the clock it uses.
 bool matrix_engine_profiling();
 void matrix_engine_add_busy(int64_t ns);
-void matrix_engine_add_pack_busy(int64_t ns);  // the packing region's busy time
 int64_t matrix_engine_clock_ns();
 
 inline DType to_dtype(at::ScalarType t, const char* what) {

@@ -167,7 +167,9 @@ struct NormParams {
 // its query rows in (row state, Q copied as the GEMMs' A), the softmax between the GEMMs
 // (masks included), K/V tiles the item packs itself (requests the call did not pack), and
 // its output rows out (normalization, stores).
-enum class MatrixPhase : int { kQueries = 0, kSoftmax, kTilePack, kFinish, kCount };
+// kCallPack: tiles of the call's shared buffer, packed by the first item that reads each;
+// kTilePack: tiles an item packs for itself alone (requests past the buffer's budget).
+enum class MatrixPhase : int { kQueries = 0, kSoftmax, kTilePack, kFinish, kCallPack, kCount };
 
 // The matrix engine: oneDNN's brgemm microkernels (AMX tiles where the CPU has them, else
 // AVX-512 or AVX2 code), which the binding layer reaches through ATen
@@ -256,7 +258,10 @@ inline bool matrix_uses_bf16(const AttnParams& p) {
 }
 
 // K/V tiles of the matrix kernel, packed once per call for every (request, kv head) with
-// matrix items and read by all of that head's query tiles. Tile t of a request covers keys
+// matrix items and read by all of that head's query tiles: each by the first item that
+// reads it, which claims it (state 0 -> 1), packs it and publishes it (1 -> 2, release);
+// an item that finds it claimed waits for it (prefill_matrix_impl.h, ensure_packed). So
+// a tile is packed just before its first GEMMs, on the core that runs them. Tile t of a request covers keys
 // [t * tile_keys, (t + 1) * tile_keys) (keys the request cannot see are zeros); each tile is
 // K^T then V, tile_keys * head_size elements each, as the GEMMs read them:
 //   bf16: K^T [D / 2][NK][2] and V [NK / 2][D][2] (the VNNI pair layouts of MatrixEngine)
@@ -265,7 +270,8 @@ inline bool matrix_uses_bf16(const AttnParams& p) {
 //   req[3r] + h * req[3r + 2] + (t - req[3r + 1])   (req[3r] < 0: not packed).
 struct MatrixPack {
   void* tiles;
-  uint8_t* v_nonfinite;     // per tile: whether its V holds a NaN or inf
+  uint8_t* v_nonfinite;     // per tile: whether its V holds a NaN or inf (set when packed)
+  uint8_t* state;           // per tile: 0 not packed, 1 being packed, 2 ready (atomic)
   const int64_t* req;       // per request: first tile index, first tile, tiles per kv head
   int32_t tile_keys, head_size;
   bool bf16;
@@ -284,10 +290,6 @@ struct KernelTable {
   // consecutive splits `split_stride` floats / `rows_stride` floats apart) into the output.
   void (*merge)(const AttnParams& p, const WorkItem& item, int32_t nsplit,
                 int64_t split_stride, int64_t lse_split_stride);
-  // Packs tiles [t_begin, t_end) of request req, kv head kv_head into p.packed; scratch
-  // holds at least matrix_pack_scratch_floats(head_size).
-  void (*matrix_pack)(const AttnParams& p, int32_t req, int32_t kv_head, int64_t t_begin,
-                      int64_t t_end, float* scratch) = nullptr;
   // The packing routines alone (tests): nrows rows of ncols words (32-bit for kTranspose32,
   // 16-bit for kInterleave16; a null row reads as zeros) into dst.
   void (*pack_rows)(PackKind kind, const void* const* rows, int nrows, int ncols,
@@ -333,7 +335,7 @@ struct KernelTable {
 };
 
 // Scratch each thread needs for items of up to `max_rows` rows (same formula in every ISA).
-// Scratch of one matrix_pack call: one tile's rows, converted (fp8, fp16), and one tile.
+// Scratch of packing one tile: its rows, converted (fp8, fp16), and the tile itself.
 inline size_t matrix_pack_scratch_floats(int64_t head_size) {
   return static_cast<size_t>(4 * matrix_tile_keys(static_cast<int>(head_size)) * head_size + 64);
 }

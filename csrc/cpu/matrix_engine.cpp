@@ -152,12 +152,12 @@ std::atomic<bool> g_bf16_reference{false};
 
 // The cost probe (benchmarks/profile_prefill.py): while on, calls go through timing
 // wrappers of the engine they would have used, and the op adds each worker's busy time,
-// so the time outside the GEMMs is busy - gemm on any CPU, without perf. The op's packing
-// region counts apart as well, and the kernels time their MatrixPhase spans. Per-thread
+// so the time outside the GEMMs is busy - gemm on any CPU, without perf; the kernels time
+// their MatrixPhase spans. Per-thread
 // sums, folded into the totals when a worker ends its region (matrix_engine_release).
 constexpr int kPhases = static_cast<int>(MatrixPhase::kCount);
 std::atomic<bool> g_profile{false};
-std::atomic<int64_t> g_gemm_ns{0}, g_gemm_calls{0}, g_busy_ns{0}, g_pack_ns{0};
+std::atomic<int64_t> g_gemm_ns{0}, g_gemm_calls{0}, g_busy_ns{0};
 std::atomic<int64_t> g_phase_ns[kPhases] = {};
 thread_local int64_t t_gemm_ns = 0, t_gemm_calls = 0;
 thread_local int64_t t_phase_ns[kPhases] = {};
@@ -233,11 +233,6 @@ const MatrixEngine* matrix_engine() {
 bool matrix_engine_profiling() { return g_profile.load(std::memory_order_relaxed); }
 
 void matrix_engine_add_busy(int64_t ns) { g_busy_ns += ns; }
-
-void matrix_engine_add_pack_busy(int64_t ns) {
-  g_busy_ns += ns;
-  g_pack_ns += ns;
-}
 
 int64_t matrix_engine_clock_ns() { return now_ns(); }
 
@@ -395,22 +390,22 @@ static at::Tensor matrix_pack_rows_op(const at::Tensor& rows, const at::Tensor& 
 }
 
 // The cost probe: on/off (switching clears the totals), and the totals since: [busy ns
-// of the matrix-kernel calls' workers, ns inside the GEMMs, GEMM calls, ns of the calls'
-// packing regions (part of busy), then ns per MatrixPhase (queries, softmax, tile packs,
-// finish; parts of busy outside the GEMMs)].
+// of the matrix-kernel calls' workers, ns inside the GEMMs, GEMM calls, then ns packing
+// the calls' shared tiles, and ns of the queries, softmax, tile packs and finish phases
+// (MatrixPhase; all parts of busy outside the GEMMs)].
 static void matrix_engine_profile_op(bool on) {
   g_busy_ns = 0;
   g_gemm_ns = 0;
   g_gemm_calls = 0;
-  g_pack_ns = 0;
   for (auto& ns : g_phase_ns) ns = 0;
   g_profile = on;
 }
 static std::vector<int64_t> matrix_engine_profile_totals_op() {
-  std::vector<int64_t> totals{g_busy_ns.load(), g_gemm_ns.load(), g_gemm_calls.load(),
-                              g_pack_ns.load()};
-  for (const auto& ns : g_phase_ns) totals.push_back(ns.load());
-  return totals;
+  const auto phase = [](MatrixPhase ph) { return g_phase_ns[static_cast<int>(ph)].load(); };
+  return {g_busy_ns.load(), g_gemm_ns.load(), g_gemm_calls.load(),
+          phase(MatrixPhase::kCallPack), phase(MatrixPhase::kQueries),
+          phase(MatrixPhase::kSoftmax), phase(MatrixPhase::kTilePack),
+          phase(MatrixPhase::kFinish)};
 }
 
 }  // namespace pagedattn

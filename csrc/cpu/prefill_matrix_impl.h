@@ -9,10 +9,10 @@
 //               one pass over the scores where the rows already have a max
 //   O[M, D]  += P[M, NK] . V[NK, D]         (V packed as B)
 //
-// K/V tiles are packed once per call for every (request, kv head) that has matrix items
-// (pack_tiles, run by the op before the items: kernel_api.h MatrixPack), and every query
-// tile of that head reads them; requests the call did not pack (a size cap) pack each tile
-// as their items read it, with the same routine. Packing converts to the GEMMs' element
+// K/V tiles are packed once per call for every (request, kv head) that has matrix items,
+// into the call's buffer (kernel_api.h MatrixPack), each by the first item that reads it
+// (ensure_packed), and every query tile of that head reads them; requests past the
+// buffer's budget pack each tile as their items read it, with the same routine. Packing converts to the GEMMs' element
 // type (fp8 decoded, fp16 widened), so one cache layout serves every ISA and variant; keys
 // the request cannot see are zeros. Rows are padded to M = matrix_gemm_rows(R) (zero
 // queries), so the GEMMs keep one shape per head size and oneDNN JIT-compiles few kernels.
@@ -48,6 +48,15 @@ inline void prefetch_line_for_write(const char* c) {
   asm volatile("prefetchw %0" : : "m"(*c));
 #else
   __builtin_prefetch(c, 1, 3);
+#endif
+}
+
+// The pause of a spin-wait loop.
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
 #endif
 }
 
@@ -130,28 +139,6 @@ struct MatrixPrefill {
   static KeyRange request_keys(const AttnParams& p, int req) {
     return request_key_range(p, p.query_start_loc[req + 1] - int64_t{p.query_start_loc[req]},
                              p.seq_lens[req]);
-  }
-
-  template <class E>
-  static void pack_tiles_as(const AttnParams& p, int req, int h, int64_t t_begin, int64_t t_end,
-                            float* scratch) {
-    const MatrixPack& pk = *p.packed;
-    const int64_t* rq = pk.req + 3 * req;
-    const KeyRange vis = request_keys(p, req);
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t idx = rq[0] + h * rq[2] + (t - rq[1]);
-      E* dst = static_cast<E*>(pk.tiles) + idx * pk.tile_elems();
-      pk.v_nonfinite[idx] =
-          pack_tile<E>(p, req, h, t, pk.tile_keys, vis, dst, reinterpret_cast<E*>(scratch));
-    }
-  }
-
-  // KernelTable::matrix_pack for this (T, C).
-  static void pack_tiles(const AttnParams& p, int req, int h, int64_t t_begin, int64_t t_end,
-                         float* scratch) {
-    if constexpr (kBf16Inputs)
-      if (p.packed->bf16) return pack_tiles_as<bf16_t>(p, req, h, t_begin, t_end, scratch);
-    pack_tiles_as<float>(p, req, h, t_begin, t_end, scratch);
   }
 
   // ---- the item ----
@@ -306,6 +293,10 @@ struct MatrixPrefill {
       if (packed) {
         const int64_t idx = packed_req[0] + it.kv_head * packed_req[2] + (t - packed_req[1]);
         kt = static_cast<const E*>(p.packed->tiles) + idx * p.packed->tile_elems();
+        if (__atomic_load_n(p.packed->state + idx, __ATOMIC_ACQUIRE) != kTileReady) {
+          MatrixPhaseTimer timer(p.matrix, MatrixPhase::kCallPack);
+          ensure_packed<E>(p, it, packed_req, t, rows.uhi / NK, vis, b.conv);
+        }
         v_nonfinite = p.packed->v_nonfinite[idx] != 0;
       } else {
         MatrixPhaseTimer timer(p.matrix, MatrixPhase::kTilePack);
@@ -361,6 +352,38 @@ struct MatrixPrefill {
     MatrixPhaseTimer timer(p.matrix, MatrixPhase::kFinish);
     if (!acc_ready) std::memset(static_cast<void*>(b.acc), 0, sizeof(float) * M * D);
     Base::finish(p, it, b.acc, rows.m, rows.l);
+  }
+
+  // MatrixPack::state of a tile.
+  static constexpr uint8_t kTileUnpacked = 0, kTileClaimed = 1, kTileReady = 2;
+
+  // Tile t of the item's request and kv head in the call's buffer, packed by the first
+  // item that reads it, just before its GEMMs: claimed, packed, published. While another
+  // worker packs it, this one packs the item's later tiles (to t_last) that nobody has
+  // claimed, then waits; a long wait (that worker descheduled) yields the core.
+  template <class E>
+  static void ensure_packed(const AttnParams& p, const WorkItem& it, const int64_t* rq,
+                            int64_t t, int64_t t_last, KeyRange vis, E* conv) {
+    const MatrixPack& pk = *p.packed;
+    const auto index = [&](int64_t u) { return rq[0] + it.kv_head * rq[2] + (u - rq[1]); };
+    const auto try_pack = [&](int64_t u) {
+      const int64_t idx = index(u);
+      uint8_t expected = kTileUnpacked;
+      if (!__atomic_compare_exchange_n(pk.state + idx, &expected, kTileClaimed, false,
+                                       __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+        return;
+      E* dst = static_cast<E*>(pk.tiles) + idx * pk.tile_elems();
+      pk.v_nonfinite[idx] = pack_tile<E>(p, it.req, it.kv_head, u, pk.tile_keys, vis, dst, conv);
+      __atomic_store_n(pk.state + idx, kTileReady, __ATOMIC_RELEASE);
+    };
+    const uint8_t* state = pk.state + index(t);
+    const auto ready = [state] { return __atomic_load_n(state, __ATOMIC_ACQUIRE) == kTileReady; };
+    try_pack(t);
+    for (int64_t u = t + 1; u <= t_last && !ready(); ++u) try_pack(u);
+    for (int spins = 0; !ready(); ++spins) {
+      if (spins < 4096) cpu_relax();
+      else std::this_thread::yield();
+    }
   }
 
   // Rows [0, R) of one tile's scores S (row stride lds) at key0 -> probabilities against
