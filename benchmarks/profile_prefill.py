@@ -19,6 +19,11 @@ For each row (a causal bf16 prefill, 32/8 heads x 128, block 32 by default) it r
   shared buffer's budget), ``finish`` (output
   rows out) and ``rest`` (the loops around them). The JSON also has the time outside per
   query row (tokens x heads), the part that does not shrink with longer rows;
+* the rows' traffic floor: the same query rows copied into an output-sized tensor by
+  torch's own contiguous copy (every thread), each copy right after a kernel call (so it
+  meets the caches as the kernel's next call does), in core-ns per pair. The kernel must
+  read those bytes and write as many, so its ``queries`` plus ``finish`` cannot go far
+  below it on that CPU; next to them it tells memory from instructions;
 * side by side, on the same inputs, calls alternating, median of ``--repeat``: the matrix
   kernel with its bf16 GEMMs on oneDNN's brgemm instead of our AMX tile loop (``brgemm``,
   where the tile loop runs), the vector kernels, vLLM's CPU kernel with the hint vLLM itself picks (where its wheel loads:
@@ -239,6 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         rec["outside_split_ns_per_pair"] = {k: v * per_call / pairs for k, v in outside.items()}
         rows = sum(row.spec.query_lens) * heads
         rec["outside_ns_per_query_row"] = (busy_ns - gemm_ns) * per_call / rows
+        sink = torch.empty_like(batch.query)
+        copies = []
+        for _ in range(args.repeat):
+            matrix()
+            t0 = time.perf_counter()
+            sink.copy_(batch.query)
+            copies.append(time.perf_counter() - t0)
+        copy_ms = statistics.median(copies) * 1e3
+        rec["rows_floor_ns_per_pair"] = copy_ms * 1e6 * args.threads / pairs
         fns = {"pagedattn": matrix, "vector": ours(cpu_runtime.kernel_variant())}
         if bf16_mk == "tiles" and args.dtype == "bfloat16":
             fns["brgemm"] = on_brgemm(matrix)
@@ -259,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({rec['gemm_calls_per_call']:.0f} gemm calls)")
         split = " + ".join(f"{k} {v:.2f}" for k, v in rec["outside_split_ns_per_pair"].items())
         print(f"        outside = {split}")
+        inout = rec["outside_split_ns_per_pair"]["queries"] + rec["outside_split_ns_per_pair"]["finish"]
+        print(f"        rows' traffic floor (torch's copy of Q into an output-sized tensor) "
+              f"{rec['rows_floor_ns_per_pair']:.2f}, against queries + finish {inout:.2f}")
         print(f"        {side}   speed-up {vs}")
     if args.json:
         with open(args.json, "w") as f:

@@ -414,6 +414,7 @@ def test_profile_prefill_script_reports_the_split(tmp_path):
     assert set(split) == {"pack", "queries", "softmax", "tile_pack", "finish", "rest"}
     assert sum(split.values()) == pytest.approx(row["outside_ns_per_pair"])
     assert split["softmax"] > 0 and split["rest"] >= 0
+    assert row["rows_floor_ns_per_pair"] > 0
     assert row["outside_ns_per_query_row"] == pytest.approx(
         row["outside_ns_per_pair"] * row["pairs"] / (4 * 512 * 4))
     own_tiles = torch.ops.pagedattn.matrix_engine_bf16_microkernel() == "tiles"
