@@ -14,10 +14,10 @@ For each row (a causal bf16 prefill, 32/8 heads x 128, block 32 by default) it r
   masking, bookkeeping. That split needs no ``perf`` and no AMX: it is what this file's
   target (``<= 0.4 ns`` per pair outside the GEMMs on AVX-512) is measured with. The time
   outside is split again by the probe's own timers: ``pack`` (the call's shared K/V
-  tiles, each packed by the first item that reads it), ``queries`` (each item's row state and Q rows in), ``softmax`` (between the
-  GEMMs, masks included), ``tile_pack`` (tiles an item packs for itself alone: requests past the
-  shared buffer's budget), ``finish`` (output
-  rows out) and ``rest`` (the loops around them). The JSON also has the time outside per
+  tiles, each packed by the first item that reads it), ``queries`` (each item's row state
+  and Q rows in), ``softmax`` (between the GEMMs, masks included), ``tile_pack`` (tiles an
+  item packs for itself alone: requests past the shared buffer's budget), ``finish``
+  (output rows out) and ``rest`` (the loops around them). The JSON also has the time outside per
   query row (tokens x heads), the part that does not shrink with longer rows;
 * the rows' traffic floor: the same query rows copied into an output-sized tensor by
   torch's own contiguous copy (every thread), each copy right after a kernel call (so it
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({rec['gemm_calls_per_call']:.0f} gemm calls)")
         split = " + ".join(f"{k} {v:.2f}" for k, v in rec["outside_split_ns_per_pair"].items())
         print(f"        outside = {split}")
-        inout = rec["outside_split_ns_per_pair"]["queries"] + rec["outside_split_ns_per_pair"]["finish"]
+        inout = sum(rec["outside_split_ns_per_pair"][k] for k in ("queries", "finish"))
         print(f"        rows' traffic floor (torch's copy of Q into an output-sized tensor) "
               f"{rec['rows_floor_ns_per_pair']:.2f}, against queries + finish {inout:.2f}")
         print(f"        {side}   speed-up {vs}")

@@ -165,10 +165,9 @@ struct NormParams {
 
 // The cost probe's phases of a matrix item outside its GEMMs (benchmarks/profile_prefill.py):
 // its query rows in (row state, Q copied as the GEMMs' A), the softmax between the GEMMs
-// (masks included), K/V tiles the item packs itself (requests the call did not pack), and
-// its output rows out (normalization, stores).
-// kCallPack: tiles of the call's shared buffer, packed by the first item that reads each;
-// kTilePack: tiles an item packs for itself alone (requests past the buffer's budget).
+// (masks included), K/V tiles it packs for itself alone (requests past the call's buffer
+// budget), its output rows out (normalization, stores), and the tiles of the call's
+// shared buffer it packs or waits for as their first reader (kCallPack).
 enum class MatrixPhase : int { kQueries = 0, kSoftmax, kTilePack, kFinish, kCallPack, kCount };
 
 // The matrix engine: oneDNN's brgemm microkernels (AMX tiles where the CPU has them, else
@@ -260,10 +259,11 @@ inline bool matrix_uses_bf16(const AttnParams& p) {
 // K/V tiles of the matrix kernel, packed once per call for every (request, kv head) with
 // matrix items and read by all of that head's query tiles: each by the first item that
 // reads it, which claims it (state 0 -> 1), packs it and publishes it (1 -> 2, release);
-// an item that finds it claimed waits for it (prefill_matrix_impl.h, ensure_packed). So
-// a tile is packed just before its first GEMMs, on the core that runs them. Tile t of a request covers keys
-// [t * tile_keys, (t + 1) * tile_keys) (keys the request cannot see are zeros); each tile is
-// K^T then V, tile_keys * head_size elements each, as the GEMMs read them:
+// an item that finds it claimed waits for it (prefill_matrix_impl.h, ensure_packed). So a
+// tile is packed just before its first GEMMs, on the core that runs them. Tile t of a
+// request covers keys [t * tile_keys, (t + 1) * tile_keys) (keys the request cannot see
+// are zeros); each tile is K^T then V, tile_keys * head_size elements each, as the GEMMs
+// read them:
 //   bf16: K^T [D / 2][NK][2] and V [NK / 2][D][2] (the VNNI pair layouts of MatrixEngine)
 //   fp32: K^T [D][NK] and V [NK][D]
 // Request r's tiles: kv head h, tile t at index

@@ -153,8 +153,8 @@ std::atomic<bool> g_bf16_reference{false};
 // The cost probe (benchmarks/profile_prefill.py): while on, calls go through timing
 // wrappers of the engine they would have used, and the op adds each worker's busy time,
 // so the time outside the GEMMs is busy - gemm on any CPU, without perf; the kernels time
-// their MatrixPhase spans. Per-thread
-// sums, folded into the totals when a worker ends its region (matrix_engine_release).
+// their MatrixPhase spans. Per-thread sums, folded into the totals when a worker ends its
+// region (matrix_engine_release).
 constexpr int kPhases = static_cast<int>(MatrixPhase::kCount);
 std::atomic<bool> g_profile{false};
 std::atomic<int64_t> g_gemm_ns{0}, g_gemm_calls{0}, g_busy_ns{0};

@@ -12,10 +12,11 @@
 // K/V tiles are packed once per call for every (request, kv head) that has matrix items,
 // into the call's buffer (kernel_api.h MatrixPack), each by the first item that reads it
 // (ensure_packed), and every query tile of that head reads them; requests past the
-// buffer's budget pack each tile as their items read it, with the same routine. Packing converts to the GEMMs' element
-// type (fp8 decoded, fp16 widened), so one cache layout serves every ISA and variant; keys
-// the request cannot see are zeros. Rows are padded to M = matrix_gemm_rows(R) (zero
-// queries), so the GEMMs keep one shape per head size and oneDNN JIT-compiles few kernels.
+// buffer's budget pack each tile as their items read it, with the same routine. Packing
+// converts to the GEMMs' element type (fp8 decoded, fp16 widened), so one cache layout
+// serves every ISA and variant; keys the request cannot see are zeros. Rows are padded to
+// M = matrix_gemm_rows(R) (zero queries), so the GEMMs keep one shape per head size and
+// oneDNN JIT-compiles few kernels.
 // Included by attn_kernel_impl.h inside each ISA TU's anonymous namespace.
 
 inline bool runs_on_matrix(const AttnParams& p, const WorkItem& it) {
