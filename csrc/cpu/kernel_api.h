@@ -266,8 +266,7 @@ inline bool matrix_uses_bf16(const AttnParams& p) {
 // read them:
 //   bf16: K^T [D / 2][NK][2] and V [NK / 2][D][2] (the VNNI pair layouts of MatrixEngine)
 //   fp32: K^T [D][NK] and V [NK][D]
-// Request r's tiles: kv head h, tile t at index
-//   req[3r] + h * req[3r + 2] + (t - req[3r + 1])   (req[3r] < 0: not packed).
+// Request r's tiles: kv head h, tile t at index() (req[3r] < 0: not packed).
 struct MatrixPack {
   void* tiles;
   uint8_t* v_nonfinite;     // per tile: whether its V holds a NaN or inf (set when packed)
@@ -276,6 +275,13 @@ struct MatrixPack {
   int32_t tile_keys, head_size;
   bool bf16;
   int64_t tile_elems() const { return 2 * static_cast<int64_t>(tile_keys) * head_size; }
+  bool holds(int32_t r) const { return req[3 * r] >= 0; }
+  // Tile t of request r (holds(r)), kv head h.
+  int64_t index(int32_t r, int32_t h, int64_t t) const {
+    return req[3 * r] + h * req[3 * r + 2] + (t - req[3 * r + 1]);
+  }
+  template <class E>
+  E* tile(int64_t idx) const { return static_cast<E*>(tiles) + idx * tile_elems(); }
 };
 // The layouts' element-level description, for tests of the packing routines: dst of
 // transpose32 (K^T) is [ncols][nrows] 32-bit words, dst of interleave16 (V, bf16) is

@@ -282,8 +282,7 @@ struct MatrixPrefill {
     bool acc_ready = false;
 
     const ScoreTransform<VO> tr(p);
-    const int64_t* packed_req = p.packed != nullptr ? p.packed->req + 3 * it.req : nullptr;
-    const bool packed = packed_req != nullptr && packed_req[0] >= 0;
+    const bool packed = p.packed != nullptr && p.packed->holds(it.req);
     const KeyRange vis = request_keys(p, it.req);
     const int64_t ntiles = rows.ulo <= rows.uhi ? rows.uhi / NK - rows.ulo / NK + 1 : 0;
     OutputPrefetch out_prefetch(p, it, ntiles);
@@ -292,11 +291,11 @@ struct MatrixPrefill {
       const E* kt;
       bool v_nonfinite;
       if (packed) {
-        const int64_t idx = packed_req[0] + it.kv_head * packed_req[2] + (t - packed_req[1]);
-        kt = static_cast<const E*>(p.packed->tiles) + idx * p.packed->tile_elems();
+        const int64_t idx = p.packed->index(it.req, it.kv_head, t);
+        kt = p.packed->tile<E>(idx);
         if (__atomic_load_n(p.packed->state + idx, __ATOMIC_ACQUIRE) != kTileReady) {
           MatrixPhaseTimer timer(p.matrix, MatrixPhase::kCallPack);
-          ensure_packed<E>(p, it, packed_req, t, rows.uhi / NK, vis, b.conv);
+          ensure_packed<E>(p, it, t, rows.uhi / NK, vis, b.conv);
         }
         v_nonfinite = p.packed->v_nonfinite[idx] != 0;
       } else {
@@ -363,21 +362,20 @@ struct MatrixPrefill {
   // worker packs it, this one packs the item's later tiles (to t_last) that nobody has
   // claimed, then waits; a long wait (that worker descheduled) yields the core.
   template <class E>
-  static void ensure_packed(const AttnParams& p, const WorkItem& it, const int64_t* rq,
-                            int64_t t, int64_t t_last, KeyRange vis, E* conv) {
+  static void ensure_packed(const AttnParams& p, const WorkItem& it, int64_t t, int64_t t_last,
+                            KeyRange vis, E* conv) {
     const MatrixPack& pk = *p.packed;
-    const auto index = [&](int64_t u) { return rq[0] + it.kv_head * rq[2] + (u - rq[1]); };
     const auto try_pack = [&](int64_t u) {
-      const int64_t idx = index(u);
+      const int64_t idx = pk.index(it.req, it.kv_head, u);
       uint8_t expected = kTileUnpacked;
       if (!__atomic_compare_exchange_n(pk.state + idx, &expected, kTileClaimed, false,
                                        __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
         return;
-      E* dst = static_cast<E*>(pk.tiles) + idx * pk.tile_elems();
-      pk.v_nonfinite[idx] = pack_tile<E>(p, it.req, it.kv_head, u, pk.tile_keys, vis, dst, conv);
+      pk.v_nonfinite[idx] =
+          pack_tile<E>(p, it.req, it.kv_head, u, pk.tile_keys, vis, pk.tile<E>(idx), conv);
       __atomic_store_n(pk.state + idx, kTileReady, __ATOMIC_RELEASE);
     };
-    const uint8_t* state = pk.state + index(t);
+    const uint8_t* state = pk.state + pk.index(it.req, it.kv_head, t);
     const auto ready = [state] { return __atomic_load_n(state, __ATOMIC_ACQUIRE) == kTileReady; };
     try_pack(t);
     for (int64_t u = t + 1; u <= t_last && !ready(); ++u) try_pack(u);
