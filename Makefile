@@ -118,7 +118,7 @@ vllm-test-engine: vllm-setup
 	$(VLLM_VENV)/bin/python -m pytest -q -s -m slow tests/vllm_plugin
 
 # ASan + UBSan build of the extension in its own dir (build/sanitize; -fno-wrapv so signed
-# overflow is seen), then the op tests (attention, linear and layer ops) and a fuzz slice
+# overflow is seen), then the op tests (attention, linear and layer ops, the thread pool) and a fuzz slice
 # with it loaded (PAGEDATTN_NATIVE_LIB). libasan must come first in the process, and libstdc++ with it:
 # otherwise ASan's __cxa_throw interceptor aborts at the first C++ exception (every
 # rejected input). Leak checking is off: CPython and torch keep their allocations.
@@ -134,7 +134,7 @@ test-sanitize: setup
 	PAGEDATTN_FUZZ_EXAMPLES=$(SANITIZE_FUZZ_EXAMPLES) \
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_cpu_ops.py tests/test_reliability.py \
 		tests/test_linear.py tests/test_layer_ops.py tests/test_matrix_prefill.py \
-		tests/test_fuzz.py tests/test_native_stack.py
+		tests/test_fuzz.py tests/test_native_stack.py tests/test_work_pool.py
 
 # A long fuzz campaign (test_fuzz.py runs FUZZ_EXAMPLES cases per property); the tally
 # goes to fuzz-report.json.

@@ -7,12 +7,14 @@ object and symbol it landed in:
     attention   our attention kernels (decode, prefill, the cache write)
     kernels     our other native ops (norms, rotary, activations)
     elementwise torch's own kernels (copies, casts, fills, indexing)
-    openmp      the OpenMP runtime: fork/join, barriers and the spin between regions
+    fork/join   threads waiting on each other: the OpenMP runtime (fork/join, barriers,
+                the spin between regions) and the native kernels' pool (its workers'
+                wait for a loop, the caller's wait for chunks a worker holds)
     python      the interpreter and the Python bindings
     os+alloc    the C library (malloc, memcpy), the dynamic loader and the kernel
                 (page faults, futex wake-ups, scheduling)
 
-``glue`` = openmp + python + os+alloc. Shares are of all samples (every thread of the
+``glue`` = fork/join + python + os+alloc. Shares are of all samples (every thread of the
 process), as ``perf report`` counts them.
 
     .venv/bin/python benchmarks/profile_engine.py                  # SmolLM2, W2, 2 threads
@@ -47,12 +49,15 @@ from engine_workloads import workloads  # noqa: E402
 from pagedattn import LLM, SamplingParams, thread_policy  # noqa: E402
 from pagedattn.models import native_stack  # noqa: E402
 
-CATEGORIES = ("gemm", "attention", "kernels", "elementwise", "openmp", "python", "os+alloc",
-              "other")
-GLUE = ("openmp", "python", "os+alloc")
+CATEGORIES = ("gemm", "attention", "kernels", "elementwise", "fork/join", "python",
+              "os+alloc", "other")
+GLUE = ("fork/join", "python", "os+alloc")
 
 _GEMM_SYMBOLS = re.compile(r"dnnl|mkldnn|brgemm|gemm|blas|mkl_|linear_dp|packed_linear|"
                            r"linear_tile|amx_tile|amx_linear")
+# The pool's own frames (csrc/cpu/work_pool.cpp): a worker's loop and wait, the caller's
+# claim and wait. A chunk's work is a frame of its own (named for the op that runs it).
+_POOL_SYMBOLS = re.compile(r"WorkPool|pool_run_chunks")
 _PERF_MAP = re.compile(r"perf-\d+\.map")
 _ATTENTION_SYMBOLS = re.compile(r"AttnKernel|attend|QkDp|PvDp|softmax|MatrixPrefill|TilePack|"
                                 r"decode_scores|transpose_scores|"
@@ -64,13 +69,15 @@ def classify(dso: str, symbol: str) -> str:
     """The category of one (shared object, symbol) sample."""
     name = os.path.basename(dso)
     if name.startswith(("libgomp", "libiomp", "libomp")):
-        return "openmp"
+        return "fork/join"
     # JIT code: perf names it "[JIT] tid N", or, where the JIT wrote a perf map (oneDNN's
     # kernels do), by the map file. The GEMMs are the JIT code a step runs.
     if dso.startswith("[JIT]") or _PERF_MAP.fullmatch(name) or "openblas" in name \
             or name.startswith(("libmkl", "libdnnl")):
         return "gemm"
     if name.startswith(("_C.", "_C_")):
+        if _POOL_SYMBOLS.search(symbol):
+            return "fork/join"
         if _GEMM_SYMBOLS.search(symbol):
             return "gemm"
         return "attention" if _ATTENTION_SYMBOLS.search(symbol) else "kernels"
@@ -155,7 +162,7 @@ def neighbour_engine_argv(args: argparse.Namespace) -> list[str]:
             "--dtype", args.dtype, "--threads", str(args.threads), "--workload",
             args.workload, "--scale", str(args.scale)]
     return argv + [f for f, on in (("--no-native-step", args.no_native_step),
-                                   ("--no-adaptive-threads", args.no_adaptive_threads)) if on]
+                                   ("--adaptive-threads", args.adaptive_threads)) if on]
 
 
 def run_as_neighbour(run) -> int:
@@ -222,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=at_least(0), default=12, help="print this many hottest symbols")
     p.add_argument("--no-native-step", action="store_true",
                    help="the decoder layers in the Python loop (EngineArgs.native_step=False)")
-    p.add_argument("--no-adaptive-threads", action="store_true",
-                   help="every step on all threads, whatever the neighbours do "
-                        "(EngineArgs.adaptive_threads=False)")
+    p.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=False,
+                   help="fewer threads per step while other processes keep the cores busy "
+                        "(EngineArgs.adaptive_threads; default off)")
     p.add_argument("--neighbour", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--perf-data", help="keep perf's samples here (perf report -i PATH)")
     p.add_argument("--json", help="write the figures here")
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
               kv_cache_memory="1GiB", native_step=not args.no_native_step,
-              adaptive_threads=not args.no_adaptive_threads)
+              adaptive_threads=args.adaptive_threads)
     prompts, n = workloads(llm.tokenizer, args.scale)[args.workload]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
@@ -276,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         result["glue_percent"] = sum(split[c] for c in GLUE)
         print("share of samples (all threads): "
               + ", ".join(f"{c} {split[c]:.1f}%" for c in CATEGORIES))
-        print(f"glue (openmp + python + os+alloc): {result['glue_percent']:.1f}%")
+        print(f"glue (fork/join + python + os+alloc): {result['glue_percent']:.1f}%")
         print(f"hottest {args.top}:")
         for pct, dso, sym in sorted(rows, reverse=True)[:args.top]:
             print(f"  {pct:5.2f}%  {classify(dso, sym):11s} {os.path.basename(dso)}  {sym[:90]}")

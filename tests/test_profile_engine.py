@@ -26,7 +26,17 @@ def probe():
 
 
 @pytest.mark.parametrize("dso, symbol, category", [
-    ("/x/torch/lib/libgomp.so.1", "0x1de62", "openmp"),
+    ("/x/torch/lib/libgomp.so.1", "0x1de62", "fork/join"),
+    # the kernels' pool: a worker's loop, the caller's wait; not the chunks it runs
+    ("/x/pagedattn/_C.cpython-311-x86_64-linux-gnu.so",
+     "std::thread::_State_impl<std::thread::_Invoker<std::tuple<pagedattn::(anonymous "
+     "namespace)::WorkPool::ensure_workers(long)::{lambda()#1}> > >::_M_run()", "fork/join"),
+    ("/x/pagedattn/_C.cpython-311-x86_64-linux-gnu.so", "pagedattn::pool_run_chunks",
+     "fork/join"),
+    ("/x/pagedattn/_C.cpython-311-x86_64-linux-gnu.so",
+     "void pagedattn::pool_parallel_for<pagedattn::rms_norm(at::Tensor const&)::{lambda(long, "
+     "long)#1}>(long, long, long, pagedattn::rms_norm(at::Tensor const&)::{lambda(long, "
+     "long)#1} const&)::{lambda(void*, long)#1}::_FUN(void*, long)", "kernels"),
     ("[JIT] tid 17535", "0x7fe7aaec0086", "gemm"),
     ("/tmp/perf-3235.map", "[unknown]", "gemm"),
     ("perf-3235.map", "[unknown]", "gemm"),
@@ -62,12 +72,13 @@ def test_profile_engine_script_reports_times_and_the_split(probe, tmp_path):
     threads = torch.get_num_threads()
     try:
         assert probe.main(["--scale", "0.05", "--busy", "1", "--engines", "2", "--top", "3",
-                           "--json", str(out)]) == 0
+                           "--adaptive-threads", "--json", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
     result = json.loads(out.read_text())
     assert result["workload"] == "W2" and result["quiet_s"] > 0 and result["busy_s"] > 0
     assert "OpenMP" in result["threading"]
+    assert "pagedattn's kernels on their own pool" in result["threading"]
     assert len(result["engines_s"]) == 2 and min(result["engines_s"]) > 0
     assert "steps:" in result["steps"]
     if probe.perf_unavailable() is None:

@@ -259,7 +259,7 @@ def test_an_engine_beside_busy_neighbours_steps_on_fewer_threads(tiny_llama):
         alone_steps = recording(alone)
         expected = alone.generate(prompts, params)
 
-        beside = LLM(tiny_llama, **args)
+        beside = LLM(tiny_llama, adaptive_threads=True, **args)
         machine = FakeMachine(others=1.0)
         beside.engine.runner.threads = StepThreads(True, machine.load(cpus=2))
         machine.tick()
@@ -296,5 +296,18 @@ def test_the_option_and_its_flag():
         EngineArgs(adaptive_threads="no")
     p = argparse.ArgumentParser()
     add_generate_arguments(p)
-    assert engine_args(p.parse_args([])).adaptive_threads is True
+    assert engine_args(p.parse_args([])).adaptive_threads is False
+    assert EngineArgs().adaptive_threads is False
+    assert engine_args(p.parse_args(["--adaptive-threads"])).adaptive_threads is True
     assert engine_args(p.parse_args(["--no-adaptive-threads"])).adaptive_threads is False
+
+
+def test_the_description_names_the_kernels_pool_where_the_extension_is_loaded():
+    from pagedattn.ops import native_available
+
+    if not native_available():
+        pytest.skip("no native extension: no kernel pool to describe")
+    spin = torch.ops.pagedattn.work_pool_spin_micros()
+    assert 0 < spin < 10_000
+    assert "pagedattn's kernels on their own pool" in thread_policy.describe()
+    assert f"idle workers spin {spin} us, then sleep" in thread_policy.describe()

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "binding_utils.h"
+#include "work_pool.h"
 
 namespace pagedattn {
 
@@ -639,7 +640,7 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
   AttnParams packed_params = p;
   if (p.matrix != nullptr) plan_matrix_pack(packed_params, plan, pack, pack_req);
   const AttnParams& pp = packed_params;
-  at::parallel_for(0, nworkers, 1, [&](int64_t b, int64_t e) {
+  pool_parallel_for(0, nworkers, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
       const int64_t start = profiling ? matrix_engine_clock_ns() : 0;
       float* mine = scr + w * scratch_floats;
@@ -660,7 +661,7 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
   if (pp.packed != nullptr && pack_workspace().bytes() > static_cast<size_t>(kKeptPackBytes))
     pack_workspace().release();
   if (plan.num_merges == 0) return;
-  at::parallel_for(0, plan.num_merges, 1, [&](int64_t b, int64_t e) {
+  pool_parallel_for(0, plan.num_merges, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int32_t* m = plan.merges + i * kMergeFields;
       const int64_t row0 = m[kMergeSlot] * plan.slot_rows + m[kMergeRow0];

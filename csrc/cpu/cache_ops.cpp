@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "binding_utils.h"
+#include "work_pool.h"
 
 namespace pagedattn {
 namespace {
@@ -128,7 +129,7 @@ void cpu_attn_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
 
   const SlotRows rows(key, value, key_cache, value_cache);
   const RowWriter write(cache_dt, key, hs, k_scale, v_scale);
-  at::parallel_for(0, n, write.grain(), [&](int64_t b, int64_t e) {
+  pool_parallel_for(0, n, write.grain(), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i)
       if (slots[i] >= 0) rows.token(i, slots[i], write);  // negative: PAD_SLOT_ID
   });
@@ -149,7 +150,7 @@ void rotate_and_cache_unchecked(const int64_t* positions, const float* cos_sin, 
                         v_scale);
   const KernelTable* kt = current_kernels();
   const int64_t grain = std::max<int64_t>(1, 65536 / ((heads + 2 * kvh) * hs));
-  at::parallel_for(0, tokens, grain, [&](int64_t b, int64_t e) {
+  pool_parallel_for(0, tokens, grain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* cos = cos_sin + positions[t] * hs;
       kt->rotate_heads(q + t * query.stride(0) * es, dtype, heads, query.stride(1), cos,

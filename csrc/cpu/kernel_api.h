@@ -307,11 +307,14 @@ struct KernelTable {
   // act(gate) * up (layer_kernel_impl.h): p.n is the packed weight's 2d columns.
   void (*gated_linear_block)(const LinearParams& p, GatedActivation act, int64_t m_begin,
                              int64_t m_end, int64_t p_begin, int64_t p_end) = nullptr;
-  // Rows [m_begin, m_end) x panels [p_begin, p_end) on vdpbf16ps, the rows first rounded
-  // into x_bf16 ((m_end - m_begin) * 2 * k_pairs elements); nullptr where the ISA has no
-  // bf16 dot product.
+  // x's rows [m_begin, m_end) rounded to bf16 into dst ((m_end - m_begin) * 2 * k_pairs
+  // elements, zero-padded), the operand of linear_dpbf16_block.
+  void (*linear_dpbf16_round)(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
+                              bf16_t* dst) = nullptr;
+  // Rows [m_begin, m_end) x panels [p_begin, p_end) on vdpbf16ps; x_rows: those rows as
+  // linear_dpbf16_round wrote them. Both nullptr where the ISA has no bf16 dot product.
   void (*linear_dpbf16_block)(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
-                              int64_t p_begin, int64_t p_end, bf16_t* x_bf16) = nullptr;
+                              int64_t p_begin, int64_t p_end, const bf16_t* x_rows) = nullptr;
   void (*rms_norm_rows)(const NormParams& p, int64_t row_begin, int64_t row_end) = nullptr;
   // out[r, i] = act(x[r, i]) * x[r, d + i] for rows [row_begin, row_end); x and out
   // both of `dtype` (kF32 or kBF16), computed in fp32.

@@ -291,6 +291,7 @@ struct PrefillItem<VecAvx512, float> : LanesPrefill<float> {};
 const KernelTable* kernels_avx512bf16() {
   static const KernelTable table = [] {
     KernelTable t = make_isa_kernel_table<VecAvx512, VecAvx2>("avx512bf16");
+    t.linear_dpbf16_round = &linear_dp_round_rows;
     t.linear_dpbf16_block = &linear_dpbf16_block;
     return t;
   }();

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "binding_utils.h"
+#include "work_pool.h"
 
 namespace pagedattn {
 
@@ -56,7 +57,7 @@ at::Tensor run_norm(const at::Tensor& x, float* residual, int64_t residual_strid
                      weight.data_ptr<float>(), static_cast<float>(eps), out.data_ptr(),
                      out.size(1), x.size(1), activation_dtype(x.scalar_type(), "x"), o_dtype};
   const KernelTable* kt = current_kernels();
-  at::parallel_for(0, x.size(0), row_grain(x.size(1)),
+  pool_parallel_for(0, x.size(0), row_grain(x.size(1)),
                    [&](int64_t b, int64_t e) { kt->rms_norm_rows(p, b, e); });
   return out;
 }
@@ -96,7 +97,7 @@ at::Tensor act_and_mul(const at::Tensor& x, GatedActivation act) {
   const KernelTable* kt = current_kernels();
   const void* xp = x.data_ptr();
   void* op = out.data_ptr();
-  at::parallel_for(0, rows, row_grain(d), [&](int64_t b, int64_t e) {
+  pool_parallel_for(0, rows, row_grain(d), [&](int64_t b, int64_t e) {
     kt->act_mul_rows(act, xp, x.stride(0), op, d, b, e, d, dtype);
   });
   return out;
@@ -131,7 +132,7 @@ void rotate_tokens(const int64_t* pos, at::Tensor& query, at::Tensor& key, const
   char* q = static_cast<char*>(query.data_ptr());
   char* k = static_cast<char*>(key.data_ptr());
   const KernelTable* kt = current_kernels();
-  at::parallel_for(0, query.size(0),
+  pool_parallel_for(0, query.size(0),
                    row_grain((query.size(1) + key.size(1)) * head_size), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* cos = table + pos[t] * head_size;

@@ -98,11 +98,8 @@ void linear_dp_panels(const LinearDpParams& p, const bf16_t* xb, int64_t m_begin
 }
 static_assert(kDpTileRows == 6, "linear_dp_panels' tail switch covers 1..5 leftover rows");
 
-// Each thread rounds its own copy of the rows (a second parallel pass for the rounding
-// would cost a second wake-up of the thread pool per call).
 void linear_dpbf16_block(const LinearDpParams& p, int64_t m_begin, int64_t m_end,
-                         int64_t p_begin, int64_t p_end, bf16_t* x_bf16) {
-  linear_dp_round_rows(p, m_begin, m_end, x_bf16);
+                         int64_t p_begin, int64_t p_end, const bf16_t* x_bf16) {
   for (int64_t pi = p_begin; pi < p_end; pi += kDpTilePanels) {
     switch (std::min<int64_t>(kDpTilePanels, p_end - pi)) {
       case 4: linear_dp_panels<4>(p, x_bf16, m_begin, m_end, pi); break;

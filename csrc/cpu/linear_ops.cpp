@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "binding_utils.h"
+#include "work_pool.h"
 #include "matrix_amx.h"
 
 namespace pagedattn {
@@ -21,6 +22,9 @@ namespace {
 // Rows per block: each thread runs its panels over one block of x at a time, so the block
 // (48 x k fp32) stays in L2 while the panels stream past it.
 constexpr int64_t kRowBlock = 48;
+// The most bytes of rounded rows a thread keeps between dpbf16 calls: a decode step's
+// rows; a prefill's are freed after its call.
+constexpr size_t kKeptRowBytes = 1 << 20;
 // Least multiply-adds per parallel chunk: a smaller layer runs on one thread (waking the
 // pool costs more than its work).
 constexpr int64_t kMinChunkMacs = 1 << 16;
@@ -72,7 +76,7 @@ void run_panels(const LinearParams& p, int64_t panels, int64_t macs_per_row_pane
                 const Block& block) {
   const int64_t grain = std::max<int64_t>(
       1, kMinChunkMacs / (std::min(p.m, kRowBlock) * macs_per_row_panel));
-  at::parallel_for(0, panels, grain, [&](int64_t pb, int64_t pe) {
+  pool_parallel_for(0, panels, grain, [&](int64_t pb, int64_t pe) {
     for (int64_t mb = 0; mb < p.m; mb += kRowBlock) block(p, mb, std::min(p.m, mb + kRowBlock), pb, pe);
   });
 }
@@ -213,19 +217,24 @@ at::Tensor packed_linear_dpbf16(const at::Tensor& x, const at::Tensor& packed_we
   if (done_without_work(call)) return call.out;
   const LinearDpParams& p = call.p;
   const int64_t m = p.m, k = p.k, panels = call.panels;
-  // Threads split the panels in whole groups of the microkernel's 4-panel tile; each rounds
-  // its row block to bf16 into its own buffer (kept between calls: no allocation per call).
+  // x's rows are rounded to bf16 once, by the calling thread, into its buffer (kept
+  // between calls: no allocation per call); every thread reads them there. Threads split
+  // the panels in whole groups of the microkernel's 4-panel tile.
+  const int64_t row_elems = 2 * p.k_pairs;
+  thread_local std::vector<bf16_t> x_bf16;
+  x_bf16.resize(std::max<size_t>(x_bf16.size(), static_cast<size_t>(m * row_elems)));
+  const bf16_t* rows = x_bf16.data();
+  kt->linear_dpbf16_round(p, 0, m, x_bf16.data());
   constexpr int64_t kGroup = 4;
   const int64_t groups = (panels + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(
       1, kMinChunkMacs / (std::min(m, kRowBlock) * k * kLinearPanel * kGroup));
-  at::parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
-    thread_local std::vector<bf16_t> x_bf16;
-    x_bf16.resize(std::max<size_t>(x_bf16.size(), std::min(m, kRowBlock) * 2 * p.k_pairs));
+  pool_parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
     const int64_t pb = gb * kGroup, pe = std::min(panels, ge * kGroup);
     for (int64_t mb = 0; mb < m; mb += kRowBlock)
-      kt->linear_dpbf16_block(p, mb, std::min(m, mb + kRowBlock), pb, pe, x_bf16.data());
+      kt->linear_dpbf16_block(p, mb, std::min(m, mb + kRowBlock), pb, pe, rows + mb * row_elems);
   });
+  if (x_bf16.size() * sizeof(bf16_t) > kKeptRowBytes) std::vector<bf16_t>().swap(x_bf16);
   return call.out;
 }
 
@@ -266,7 +275,7 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed_weight,
       std::max<int64_t>(32, kAmxChunkBytes / (ld * static_cast<int64_t>(sizeof(bf16_t))) / 32 * 32);
   const int64_t grain = std::max<int64_t>(
       1, kMinChunkMacs / (std::min(m, row_chunk) * std::max<int64_t>(p.k, 1) * 2 * kLinearPanel));
-  at::parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {
+  pool_parallel_for(0, units, grain, [&](int64_t ub, int64_t ue) {
     thread_local std::vector<bf16_t> rows;
     rows.resize(std::max<size_t>(rows.size(), (std::min(m, row_chunk) + 15) / 16 * 16 * ld));
     const int64_t pb = gated ? ub : 2 * ub, pe = gated ? ue : std::min(call.panels, 2 * ue);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "binding_utils.h"
+#include "work_pool.h"
 
 namespace pagedattn {
 
@@ -37,7 +38,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   const int64_t stride = logits.stride(0);
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, kMinChunkEntries / n);
-  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+  pool_parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
     kt->argmax_rows(x, stride, b, e, n, dtype, o);
   });
   return out;

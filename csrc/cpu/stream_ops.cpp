@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "binding_utils.h"
+#include "work_pool.h"
 
 namespace pagedattn {
 
@@ -32,7 +33,7 @@ at::Tensor stream_read(const at::Tensor& buf) {
   const KernelTable* kt = current_kernels();
   // One partial sum per range handed out (indexed by its first chunk): no shared writes.
   std::vector<uint64_t> partial(static_cast<size_t>(chunks), 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  pool_parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     const int64_t lo = begin * kChunkBytes, hi = std::min(n, end * kChunkBytes);
     partial[static_cast<size_t>(begin)] = kt->sum_bytes(p + lo, hi - lo);
   });

@@ -122,13 +122,15 @@ class EngineArgs:
             with no Python between the layers' ops; bit for bit what the Python layer loop
             computes (:mod:`pagedattn.models.native_stack`). ``False``: always the Python
             loop.
-        adaptive_threads: ``True``: while other processes keep this process's CPUs busy,
-            a step runs on the cores they leave free (at least one thread, at most
-            ``torch.get_num_threads()``), so that two engines or a busy neighbour share the
-            cores instead of stalling every parallel region's join
-            (:class:`pagedattn.thread_policy.StepThreads`). A different thread count can
-            change the last bits of a result unless ``batch_invariant``. ``False``: every
-            step on ``torch.get_num_threads()``.
+        adaptive_threads: ``False`` (default): every step on ``torch.get_num_threads()``.
+            pagedattn's kernels run on their own pool, whose loops never wait for a thread
+            the scheduler has not run, so two threads beside busy neighbours get their
+            share of the cores (:mod:`pagedattn.thread_policy`). ``True``: while other
+            processes keep this process's CPUs busy, a step runs on the cores they leave
+            free (at least one thread; :class:`pagedattn.thread_policy.StepThreads`),
+            which spares torch's own OpenMP regions (oneDNN's GEMMs) their joins. A
+            different thread count can change the last bits of a result unless
+            ``batch_invariant``.
         seed: seeds the sampling of requests that bring no seed of their own.
         skip_tokenizer_init: no tokenizer (prompts must be token-id lists).
     """
@@ -151,7 +153,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     huge_pages: bool = True
     native_step: bool = True
-    adaptive_threads: bool = True
+    adaptive_threads: bool = False
     seed: int = 0
     skip_tokenizer_init: bool = False
 

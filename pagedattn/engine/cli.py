@@ -60,9 +60,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
     g.add_argument("--no-native-step", action="store_true",
                    help="run the decoder layers in the Python loop (default: one native op "
                         "per step where it serves the step; the same results)")
-    g.add_argument("--no-adaptive-threads", action="store_true",
-                   help="run every step on all of torch's threads (default: on fewer while "
-                        "other processes keep the cores busy)")
+    g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=False,
+                   help="run a step on fewer threads while other processes keep the cores "
+                        "busy (default: every step on all of torch's threads)")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
@@ -78,7 +78,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
                   max_model_len=args.max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching,
                   huge_pages=not args.no_huge_pages, native_step=not args.no_native_step,
-                  adaptive_threads=not args.no_adaptive_threads)
+                  adaptive_threads=args.adaptive_threads)
     return EngineArgs(**{**fields, **overrides})
 
 

@@ -702,9 +702,10 @@ def stream_read(buf: torch.Tensor) -> int:
     the sum of its bytes (each an unsigned 8-bit integer, whatever ``buf``'s dtype; exact
     below 2**56 bytes, as the native sum is).
 
-    The read runs on ``torch.get_num_threads()`` threads, one contiguous range each, with
-    the widest loads of the ISA in use (64-byte AVX-512, 32-byte AVX2, 16-byte NEON or
-    portable) and nothing but a byte sum per load: the bench's DRAM roof
+    The read runs on ``torch.get_num_threads()`` threads (the native kernels' pool: a few
+    contiguous ranges each, taken in turn), with the widest loads of the ISA in use
+    (64-byte AVX-512, 32-byte AVX2, 16-byte NEON or portable) and nothing but a byte sum
+    per load: the bench's DRAM roof
     (:mod:`pagedattn.bench.probes`). The sum depends on every byte, so no load can be
     skipped.
 
