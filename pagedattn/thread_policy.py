@@ -24,8 +24,8 @@ pagedattn's own kernels (attention, the linear layers, norms, rotary, the cache 
 sampling) do not run on OpenMP but on their own pool (``csrc/cpu/work_pool.cpp``), whose
 calling thread takes every chunk that no worker has claimed: a loop waits only for chunks
 a worker has started, never for a worker that the scheduler has not run yet, and an idle
-worker spins 50 us, then sleeps. Beside two spinning processes SmolLM2's W2 took 2.2x its
-quiet time on two threads with it, against 2.8x on one thread and 3.1x on two with OpenMP
+worker spins 50 us, then sleeps. Beside two spinning processes SmolLM2's W2 took 2.1-2.3x
+its quiet time on two threads with it, against 2.7-2.9x with OpenMP and one-thread steps
 (docs/performance.md, "The kernels' own thread pool").
 
 The spin count alone does not make a busy machine fair: every parallel region of a step

@@ -91,7 +91,7 @@ def machine_busy() -> str | None:
 
 def best_of(candidates: Mapping[str, Callable[[], object]], *, deadline: float = math.inf,
             min_rounds: int = 3, max_rounds: int = 50, budget_s: float = 0.03,
-            keep_within: float | None = 2.0) -> dict[str, float]:
+            keep_within: float | None = 2.0, warm_each: bool = False) -> dict[str, float]:
     """Best time (us) of each candidate: ``min_rounds`` rounds, then more (up to
     ``max_rounds``) while the rounds have used under ``budget_s``, so small calls get many
     tries and one no other process interrupted is among them. Candidates run in turns, one
@@ -102,7 +102,12 @@ def best_of(candidates: Mapping[str, Callable[[], object]], *, deadline: float =
     at least, so one disturbed call does not decide) is over ``keep_within`` times the
     leader's is called no more (its best so far is what it reports), so the rounds of a
     large call go to the candidates that can still win; the race ends when one is left.
-    ``None`` keeps every candidate to the end."""
+    ``None`` keeps every candidate to the end.
+
+    ``warm_each``: each timed call comes right after an untimed call of the same
+    candidate, as a kernel runs in a forward pass, after the step's other parallel loops:
+    a thread pool's worker that idled through the other candidates' calls long enough to
+    sleep would otherwise be woken inside the timing, which no step pays per call."""
     for fn in candidates.values():
         fn()
     best = dict.fromkeys(candidates, math.inf)
@@ -110,6 +115,8 @@ def best_of(candidates: Mapping[str, Callable[[], object]], *, deadline: float =
     start = time.perf_counter()
     for i in range(max_rounds):
         for name, fn in racing.items():
+            if warm_each:
+                fn()
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)

@@ -77,3 +77,21 @@ def test_small_calls_get_rounds_until_the_budget_and_the_deadline_stops_them(clo
     runners, calls = candidates(clock, {"a": [1.0], "b": [1.1]})
     tuning.best_of(runners, deadline=clock.now + 2.1 + 1.0, min_rounds=10, budget_s=0.0)
     assert calls == {"a": 2, "b": 2}  # the deadline passed during the first timed round
+
+
+def test_warm_each_times_the_call_after_an_untimed_one(clock):
+    # a candidate whose call right after another candidate's costs 4 (a pool worker that
+    # went to sleep) and 1 when it follows its own call: warm_each reports the 1
+    last = [None]
+
+    def runner(name, cold, warm):
+        def run():
+            clock.now += warm if last[0] == name else cold
+            last[0] = name
+        return run
+
+    runners = {"pool": runner("pool", 4.0, 1.0), "openmp": runner("openmp", 1.5, 1.5)}
+    cold = tuning.best_of(runners, min_rounds=3, budget_s=0.0, keep_within=None)
+    assert min(cold, key=cold.get) == "openmp"
+    warm = tuning.best_of(runners, min_rounds=3, budget_s=0.0, keep_within=None, warm_each=True)
+    assert warm == pytest.approx({"pool": 1e6, "openmp": 1.5e6})

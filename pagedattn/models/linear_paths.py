@@ -418,7 +418,9 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
     leader's time dropped from the second round on, so that close paths get the rounds).
     Each path's calls cycle through ``layers``, so, as in a forward pass, a call seldom
     finds its weights in the core's own cache. A gated MLP's gate/up projection is timed as it runs: with its
-    activation, fused where the path fuses it."""
+    activation, fused where the path fuses it. Each timed call follows an untimed one of
+    the same path (``warm_each``): the native kernels' pool sleeps 50 us after its last
+    loop, and a step's loops follow each other closer than that."""
     # own generator: tuning must not move the global RNG that seeded sampling draws from
     x = torch.randn(rows, layers[0].in_features,
                     generator=torch.Generator().manual_seed(rows)).to(layers[0].act_dtype)
@@ -430,7 +432,7 @@ def time_paths(layers: Sequence[MeasuredLinear], rows: int, deadline: float,
 
     return tuning.best_of({p.value: runs_through_layers(p) for p in layers[0].paths},
                           deadline=deadline, min_rounds=min_rounds, max_rounds=max_rounds,
-                          budget_s=budget_s)
+                          budget_s=budget_s, warm_each=True)
 
 
 NEAR_TIE = 1.05
