@@ -10,6 +10,7 @@ test_batch_invariance.py check against one thread.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -88,19 +89,58 @@ def test_two_python_threads_run_loops_at_once(threads):
     assert bad == []
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity")
+                    else True, reason="needs Linux and two CPUs this process may use")
+def test_workers_run_where_torchs_openmp_threads_run_not_on_the_callers_core():
+    # vLLM's CPU workers bind each OpenMP thread to one core, the caller included; a new
+    # thread inherits its creator's mask, so a pool worker must take its OpenMP twin's.
+    code = """
+import os, torch
+import pagedattn.ops
+torch.set_num_threads(2)
+torch.ones(1 << 22).sum()                     # OpenMP's team starts with the whole mask
+first = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {first})              # the calling thread alone is bound
+assert torch.equal(torch.ops.pagedattn.work_pool_visits(999, 1, -1), torch.ones(999, dtype=torch.int32))
+import time
+for _ in range(200):                          # the worker names itself as it starts
+    named = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() == "pagedattn-pool":
+                named.append(int(tid))
+    if named:
+        break
+    time.sleep(0.01)
+for tid in named:
+    print("worker", sorted(os.sched_getaffinity(tid)))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    workers = [line for line in proc.stdout.splitlines() if line.startswith("worker")]
+    assert len(workers) == 1, proc.stdout
+    assert len(eval(workers[0].split(" ", 1)[1])) >= 2, workers[0]
+
+
 def test_a_forked_child_runs_its_own_loops():
     code = """
 import os, torch
 import pagedattn.ops
 torch.set_num_threads(3)
 assert torch.equal(torch.ops.pagedattn.work_pool_visits(999, 1, -1), torch.ones(999, dtype=torch.int32))
+# torch's own OpenMP regions do not survive fork (libgomp): the expected values come
+# first, and the child compares on one thread, after our ops ran on the pool
+x = torch.randn(300, 256)
+w = torch.randn(256)
+want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+ones = torch.ones(999, dtype=torch.int32)
 pid = os.fork()
 if pid == 0:
-    ok = torch.equal(torch.ops.pagedattn.work_pool_visits(999, 1, -1), torch.ones(999, dtype=torch.int32))
-    x = torch.randn(300, 256)
-    w = torch.randn(256)
-    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
-    ok = ok and torch.allclose(pagedattn.ops.rms_norm(x, w, 1e-6), want, atol=1e-5)
+    visits = torch.ops.pagedattn.work_pool_visits(999, 1, -1)
+    got = pagedattn.ops.rms_norm(x, w, 1e-6)
+    torch.set_num_threads(1)
+    ok = torch.equal(visits, ones) and torch.allclose(got, want, atol=1e-5)
     os._exit(0 if ok else 3)
 _, status = os.waitpid(pid, 0)
 print("child", os.waitstatus_to_exitcode(status))

@@ -21,6 +21,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -82,6 +83,7 @@ class WorkPool {
     new (&error_mutex_) std::mutex();
     for (auto& s : slots_) s.release();  // their threads are gone; leak, never touch
     slots_.clear();
+    forked_ = true;
   }
 
  private:
@@ -97,13 +99,43 @@ class WorkPool {
     }
   };
 
+  // A new worker runs where torch's OpenMP thread of the same number may run. A thread
+  // inherits its creator's CPU mask, and a host that binds each OpenMP thread to a core
+  // (vLLM's CPU workers do) binds the caller to one: left alone, every worker would share
+  // the caller's core.
   void ensure_workers(int64_t wanted) {
+    if (static_cast<int64_t>(slots_.size()) >= wanted) return;
+    // libgomp does not survive fork: a forked child's workers keep the caller's mask.
+    const std::vector<std::optional<cpu_set_t>> masks =
+        forked_ ? std::vector<std::optional<cpu_set_t>>(static_cast<size_t>(wanted + 1))
+                : openmp_thread_masks(wanted + 1);
     while (static_cast<int64_t>(slots_.size()) < wanted) {
       const int64_t index = static_cast<int64_t>(slots_.size());
       slots_.push_back(std::make_unique<Slot>());
       Slot* slot = slots_.back().get();
-      std::thread([this, index, slot] { worker_loop(index, *slot); }).detach();
+      const std::optional<cpu_set_t> mask = masks[index + 1];
+      std::thread([this, index, slot, mask] {
+        pthread_setname_np(pthread_self(), "pagedattn-pool");  // as top -H and /proc show it
+        if (mask) pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &*mask);
+        worker_loop(index, *slot);
+      }).detach();
     }
+  }
+
+  // The CPU mask of each of torch's first `threads` OpenMP threads (none where a thread
+  // did not run or its mask could not be read).
+  static std::vector<std::optional<cpu_set_t>> openmp_thread_masks(int64_t threads) {
+    std::vector<std::optional<cpu_set_t>> masks(static_cast<size_t>(threads));
+    std::mutex m;
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      const int t = at::get_thread_num();
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      if (t < 0 || t >= threads || sched_getaffinity(0, sizeof(set), &set) != 0) return;
+      std::lock_guard<std::mutex> lock(m);
+      masks[t] = set;
+    });
+    return masks;
   }
 
   void claim_and_run(uint32_t gen, int64_t chunks, void (*chunk)(void*, int64_t), void* ctx) {
@@ -170,6 +202,7 @@ class WorkPool {
   std::mutex error_mutex_;
   std::mutex job_mutex_;
   std::vector<std::unique_ptr<Slot>> slots_;  // guarded by job_mutex_
+  bool forked_ = false;                        // this process is a fork's child
 };
 
 // Never destroyed: detached workers may still be waiting on it at exit.
