@@ -28,15 +28,13 @@ template <class F>
 void pool_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  constexpr int64_t kChunksPerThread = 1;
   const int64_t threads = n > grain ? pool_threads_here() : 1;
   if (threads <= 1) {
     fn(begin, end);
     return;
   }
-  const int64_t max_chunks = std::min<int64_t>(threads * kChunksPerThread,
-                                               (n + std::max<int64_t>(grain, 1) - 1) /
-                                                   std::max<int64_t>(grain, 1));
+  const int64_t min_size = std::max<int64_t>(grain, 1);
+  const int64_t max_chunks = std::min<int64_t>(threads, (n + min_size - 1) / min_size);
   const int64_t size = (n + max_chunks - 1) / max_chunks;
   const int64_t chunks = (n + size - 1) / size;
   struct Loop {
