@@ -98,16 +98,32 @@ def make_paged_batch(
     seed: int = 0,
     extra_blocks: int = 3,
     fill: float = float("nan"),
+    shared_prefixes: tuple[tuple[tuple[int, ...], int], ...] = (),
 ) -> PagedBatch:
     """Build a random :class:`PagedBatch`; unused cache slots hold ``fill`` (NaN by
-    default, so a kernel that reads them poisons its output)."""
+    default, so a kernel that reads them poisons its output).
+
+    ``shared_prefixes``: groups ``(requests, blocks)`` whose requests share their first
+    ``blocks`` blocks, as prefix caching shares them: the same physical blocks in their
+    block tables (the first request's), holding the same keys and values."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
 
+    # Request r's first shared_with[r][1] blocks are those of request shared_with[r][0].
+    shared_with: dict[int, tuple[int, int]] = {}
+    for members, blocks in shared_prefixes:
+        for r in members[1:]:
+            if r in shared_with or r == members[0] or members[0] in shared_with:
+                raise ValueError(f"shared_prefixes: request {r} is in more than one group")
+            if min(spec.seq_lens[r], spec.seq_lens[members[0]]) < blocks * block_size:
+                raise ValueError(f"shared_prefixes: requests {members[0]} and {r} have fewer "
+                                 f"than {blocks} blocks of {block_size} keys")
+            shared_with[r] = (members[0], blocks)
     blocks_per_req = [paging.cdiv(s, block_size) for s in spec.seq_lens]
-    num_blocks = 1 + sum(blocks_per_req) + extra_blocks  # block 0 reserved
+    own_blocks = [n - shared_with.get(r, (0, 0))[1] for r, n in enumerate(blocks_per_req)]
+    num_blocks = 1 + sum(own_blocks) + extra_blocks  # block 0 reserved
     physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     if layout == "cpu":
         shape = (num_blocks, num_kv_heads, block_size, head_size)
@@ -119,10 +135,15 @@ def make_paged_batch(
     value_cache = torch.full(shape, fill, dtype=dtype)
 
     keys, values, tables = [], [], []
-    for seq_len, n_blocks in zip(spec.seq_lens, blocks_per_req):
-        own = [physical.pop() for _ in range(n_blocks)]
-        tables.append(own)
+    for r, (seq_len, n_blocks) in enumerate(zip(spec.seq_lens, blocks_per_req)):
         k, v = randn(seq_len, num_kv_heads, head_size), randn(seq_len, num_kv_heads, head_size)
+        own = [physical.pop() for _ in range(own_blocks[r])]
+        if r in shared_with:
+            first, blocks = shared_with[r]
+            n = blocks * block_size
+            k[:n], v[:n] = keys[first][:n], values[first][:n]
+            own = tables[first][:blocks] + own
+        tables.append(own)
         keys.append(k)
         values.append(v)
         blk, off = paging.blocks_and_offsets(torch.tensor(own, dtype=torch.int64),

@@ -3,8 +3,15 @@
 // (kernels_<isa>.cpp).
 //
 // Metadata (int32, opaque to callers) = header (isa_generated.h MetaHeaderField), per
-// request {num_kv_splits, reserved}, then the work partition, planned once per step for
-// every layer: jobs (kJobFields ints each, longest first), then merges (kMergeFields each).
+// request {num_kv_splits, prefix_keys}, then the work partition, planned once per step for
+// every layer: jobs (kJobFields ints each, longest first), merges (kMergeFields each),
+// shared-prefix groups (kGroupFields each) and their member requests (one int each).
+//
+// Shared prefixes: requests whose block tables begin with the same physical blocks (a
+// system prompt, the n samples of one prompt) form a group. One set of jobs runs every
+// member's query rows against those keys, read once (GEMM-shaped: the matrix kernel where
+// it pays), into partials; each member's own jobs run its keys past the prefix
+// (prefix_keys) into split slots, and its merges fold both by log-sum-exp, the sink once.
 // A job holds decisions, not key positions: a split job names its chunk (s of n) and the op
 // cuts the chunks from the call's own visible range, so the window hint never changes a
 // result. Before trusting the metadata the op checks the header against the call and
@@ -19,6 +26,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -30,6 +38,13 @@ namespace pagedattn {
 
 namespace {
 constexpr int64_t kMinSplitKeys = 256;   // below this a split costs more than it balances
+// Shared prefixes (the fewest keys a group shares: kSharedPrefixMinKeys, isa.py): the most
+// query rows (tokens x GQA heads) of one kv head per shared-prefix job. Measured:
+// docs/performance.md, "Shared prefixes".
+constexpr int64_t kSharedRowsPerJob = 128;
+// Rows per kv head from which a group's shared-prefix jobs run on the matrix engine
+// rather than the vector kernels (same section).
+constexpr int64_t kMatrixMinSharedRows = 16;
 // Query rows (tokens x GQA heads) per prefill work item: the vector kernels reuse each K/V
 // block for this many rows; the matrix kernel's GEMMs are this tall (docs/kernels.md).
 constexpr int64_t kRowsPerTile = 32;
@@ -43,12 +58,22 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Plan entries after the per-request fields. A job: kv heads [kv_head, kv_head + kv_heads)
 // of query tokens [q_begin, q_end) of request req, against the whole key range (split -1)
-// or chunk `split` of `nsplit` into partial slot `slot`. A merge: the nsplit partials of
-// slots [slot, slot + nsplit), rows from row0, of one kv head into the output.
+// or chunk `split` of `nsplit` of the keys past its prefix_keys into partial slot `slot`;
+// or (group >= 0) a shared-prefix job: tokens [q_begin, q_end) of the group's token list
+// (its members' tokens, member by member) against the group's keys, read through the
+// block table of req (the group's representative), into the group's prefix rows. A merge:
+// the nsplit partials of slots [slot, slot + nsplit), rows from row0, of one kv head, and
+// the prefix partial from prefix row prefix_row (-1: none), into the output. A group:
+// its representative, the keys its members share, its members
+// [member_begin, member_begin + num_members) of the member list, their tokens, its first
+// prefix row (rows [kv head][token][GQA head]), and whether its jobs run on the matrix
+// engine.
 enum JobField : int64_t { kJobReq, kJobKvHead, kJobKvHeads, kJobQBegin, kJobQEnd, kJobSplit,
-                          kJobNSplit, kJobSlot, kJobFields };
+                          kJobNSplit, kJobSlot, kJobGroup, kJobFields };
 enum MergeField : int64_t { kMergeReq, kMergeKvHead, kMergeQBegin, kMergeQEnd, kMergeSlot,
-                            kMergeNSplit, kMergeRow0, kMergeReserved, kMergeFields };
+                            kMergeNSplit, kMergeRow0, kMergePrefixRow, kMergeFields };
+enum GroupField : int64_t { kGroupRep, kGroupKeys, kGroupMemberBegin, kGroupNumMembers,
+                            kGroupTokens, kGroupRowBase, kGroupMatrix, kGroupFields };
 
 // Over the whole metadata tensor (its checksum field read as 0) and the lengths it was
 // planned for: a plan is only valid for the step whose lengths it saw.
@@ -102,17 +127,136 @@ struct StepPlan {
     int32_t f[kJobFields];
     int64_t cost;
   };
-  std::vector<int32_t> splits_of;  // per request
-  std::vector<Job> jobs;           // longest first
+  std::vector<int32_t> splits_of;    // per request
+  std::vector<int32_t> prefix_keys;  // per request: keys its group's jobs cover
+  std::vector<Job> jobs;             // longest first
   std::vector<std::array<int32_t, kMergeFields>> merges;
-  int64_t num_slots = 0, slot_rows = 0;
-  bool any_grouped = false;
+  std::vector<std::array<int32_t, kGroupFields>> groups;
+  std::vector<int32_t> members;
+  int64_t num_slots = 0, slot_rows = 0, prefix_rows = 0, max_rows = 0;
 };
 
 struct PlanShape {
   int64_t num_reqs, num_kv_heads, group, tile, threads;
   bool enable_kv_split, batch_invariant;
+  bool shared_matrix;  // the matrix engine runs here (shared-prefix jobs may take it)
 };
+
+// Requests whose leading keys live in the same physical blocks, and how many keys they
+// share: every member's first `keys` keys are the representative's.
+struct SharedGroup {
+  int32_t rep;
+  int64_t keys;
+  std::vector<int32_t> members;
+};
+
+// A step's block tables, as the planner reads them.
+struct BlockTableView {
+  const int32_t* ids;
+  int64_t stride, cols, block_size;
+  const int32_t* row(int64_t r) const { return ids + r * stride; }
+};
+
+// Groups of requests with a common run of leading block ids: at most one group per
+// request, each sharing at least kSharedPrefixMinKeys keys. Requests are sorted by their rows
+// (each up to the blocks its keys fill), so requests with a common prefix are adjacent
+// and a run's common prefix is the least common prefix of its neighbours. A run is kept
+// whole where that saves at least as many key reads, (members - 1) x shared keys, as its
+// best split at its weakest link does, and split there otherwise: 32 requests behind one
+// system prompt stay one group even where they pair up further.
+std::vector<SharedGroup> find_shared_groups(int64_t num_reqs, const int32_t* qsl,
+                                            const int32_t* sl, const BlockTableView& bt) {
+  const int64_t bs = bt.block_size;
+  std::vector<int32_t> order;
+  std::vector<int64_t> cap(num_reqs, 0);  // blocks of a request that may be shared
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    cap[r] = std::min<int64_t>(sl[r] / bs, bt.cols);
+    if (qsl[r + 1] > qsl[r] && cap[r] * bs >= kSharedPrefixMinKeys) order.push_back(static_cast<int32_t>(r));
+  }
+  std::vector<SharedGroup> groups;
+  if (order.size() < 2) return groups;
+  const auto common = [&](int32_t a, int32_t b) {
+    const int64_t n = std::min(cap[a], cap[b]);
+    const int32_t *x = bt.row(a), *y = bt.row(b);
+    int64_t i = 0;
+    while (i < n && x[i] == y[i]) ++i;
+    return i;
+  };
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    const int64_t i = common(a, b);
+    const int64_t n = std::min(cap[a], cap[b]);
+    if (i < n) return bt.row(a)[i] < bt.row(b)[i];
+    return cap[a] != cap[b] ? cap[a] < cap[b] : a < b;
+  });
+  const int64_t n = static_cast<int64_t>(order.size());
+  std::vector<int64_t> link(n - 1);  // common blocks of neighbours i and i + 1
+  for (int64_t i = 0; i + 1 < n; ++i) link[i] = common(order[i], order[i + 1]);
+  const auto pays = [&](int64_t blocks) { return blocks * bs >= kSharedPrefixMinKeys; };
+  // Best grouping of order[a..b]: key reads saved, and the runs (as [first, last] pairs).
+  struct Best {
+    int64_t saved;
+    std::vector<std::pair<int64_t, int64_t>> runs;
+  };
+  const std::function<Best(int64_t, int64_t)> best = [&](int64_t a, int64_t b) -> Best {
+    if (a >= b) return Best{0, {}};
+    int64_t weakest = a;
+    for (int64_t i = a; i < b; ++i)
+      if (link[i] < link[weakest]) weakest = i;
+    Best left = best(a, weakest), right = best(weakest + 1, b);
+    const int64_t whole = pays(link[weakest]) ? (b - a) * link[weakest] : 0;
+    if (whole > 0 && whole >= left.saved + right.saved) return Best{whole, {{a, b}}};
+    left.saved += right.saved;
+    left.runs.insert(left.runs.end(), right.runs.begin(), right.runs.end());
+    return left;
+  };
+  // Runs of neighbours that share at least one block, each solved apart (no recursion
+  // across requests with nothing in common).
+  for (int64_t a = 0; a < n;) {
+    int64_t b = a;
+    while (b + 1 < n && pays(link[b])) ++b;
+    for (const auto& run : best(a, b).runs) {
+      SharedGroup g;
+      g.rep = order[run.first];
+      int64_t blocks = INT64_MAX;
+      for (int64_t i = run.first; i <= run.second; ++i) {
+        g.members.push_back(order[i]);
+        if (i < run.second) blocks = std::min(blocks, link[i]);
+      }
+      std::sort(g.members.begin(), g.members.end());
+      g.keys = blocks * bs;
+      groups.push_back(std::move(g));
+    }
+    a = b + 1;
+  }
+  return groups;
+}
+
+// One group of every request with queries, sharing the caller's common_prefix_len keys
+// (the cascade interface: the caller knows the prefix); their block tables must agree on
+// the blocks holding them.
+std::vector<SharedGroup> whole_batch_group(int64_t num_reqs, const int32_t* qsl,
+                                           const int32_t* sl, const BlockTableView& bt,
+                                           int64_t common_prefix_len, const char* op) {
+  SharedGroup g{-1, common_prefix_len, {}};
+  const int64_t blocks = ceil_div(common_prefix_len, bt.block_size);
+  TORCH_CHECK_VALUE(blocks <= bt.cols, op, ": common_prefix_len (", common_prefix_len,
+                    ") needs ", blocks, " blocks but block_table has ", bt.cols, " columns");
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    if (qsl[r + 1] == qsl[r]) continue;
+    TORCH_CHECK_VALUE(sl[r] >= common_prefix_len, op, ": common_prefix_len (",
+                      common_prefix_len, ") exceeds seq_lens[", r, "] (", sl[r], ")");
+    if (g.rep < 0) g.rep = static_cast<int32_t>(r);
+    for (int64_t b = 0; b < blocks; ++b)
+      TORCH_CHECK_VALUE(bt.row(r)[b] == bt.row(g.rep)[b], op, ": common_prefix_len (",
+                        common_prefix_len, ") spans block ", b, ", but block_table[", r, ", ",
+                        b, "] (", bt.row(r)[b], ") != block_table[", g.rep, ", ", b, "] (",
+                        bt.row(g.rep)[b], ")");
+    g.members.push_back(static_cast<int32_t>(r));
+  }
+  std::vector<SharedGroup> groups;
+  if (g.members.size() >= 2) groups.push_back(std::move(g));
+  return groups;
+}
 
 // Split the key range of single-tile (decode-like) requests only when there are too few
 // items to keep every thread busy. The window hint is not used, so results never depend
@@ -120,9 +264,51 @@ struct PlanShape {
 // never splits keys (a split row's sums would depend on its batch-mates); it spreads
 // decode-like requests over groups of kv heads instead, which leaves each row's
 // arithmetic as it was (the generic kernel's rows are independent of their item).
-StepPlan partition_step(const PlanShape& s, const int32_t* qsl, const int32_t* sl) {
+// Members of shared-prefix groups always write partials (their own keys' results are
+// merged with the group's), so their own jobs take slots even unsplit.
+StepPlan partition_step(const PlanShape& s, const int32_t* qsl, const int32_t* sl,
+                        const std::vector<SharedGroup>& groups) {
   const int64_t target = 4 * s.threads, kvh = s.num_kv_heads;
-  int64_t base_items = 0;  // counted up to target only (no overflow for huge batches)
+  const auto i32 = [](int64_t v) { return static_cast<int32_t>(v); };
+  StepPlan plan;
+  plan.prefix_keys.assign(s.num_reqs, 0);
+  // Per member: its group and its first token in the group's token list.
+  std::vector<int64_t> group_of(s.num_reqs, -1), token_at(s.num_reqs, 0);
+  int64_t shared_jobs = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const SharedGroup& grp = groups[g];
+    int64_t tokens = 0;
+    for (const int32_t m : grp.members) {
+      group_of[m] = static_cast<int64_t>(g);
+      token_at[m] = tokens;
+      plan.prefix_keys[m] = i32(grp.keys);
+      tokens += qsl[m + 1] - qsl[m];
+    }
+    const int64_t rows = tokens * s.group;  // per kv head
+    const bool matrix = s.shared_matrix && rows >= kMatrixMinSharedRows;
+    // Token chunks of at most kSharedRowsPerJob rows; halved (to the matrix kernel's
+    // floor) while the group has fewer jobs than threads.
+    int64_t chunk = std::max<int64_t>(1, kSharedRowsPerJob / s.group);
+    const int64_t floor_rows = matrix ? kMatrixMinRows : 1;
+    while (kvh * ceil_div(tokens, chunk) < s.threads && chunk > 1 &&
+           (chunk / 2) * s.group >= floor_rows)
+      chunk /= 2;
+    plan.groups.push_back({grp.rep, i32(grp.keys), i32(plan.members.size()),
+                           i32(grp.members.size()), i32(tokens), i32(plan.prefix_rows),
+                           matrix ? 1 : 0});
+    plan.members.insert(plan.members.end(), grp.members.begin(), grp.members.end());
+    for (int64_t h = 0; h < kvh; ++h)
+      for (int64_t t = 0; t < tokens; t += chunk) {
+        const int64_t te = std::min(tokens, t + chunk);
+        plan.jobs.push_back({{grp.rep, i32(h), 1, i32(t), i32(te), -1, 1, -1, i32(g)},
+                             (te - t) * s.group * grp.keys});
+        plan.max_rows = std::max(plan.max_rows, (te - t) * s.group);
+        ++shared_jobs;
+      }
+    plan.prefix_rows += kvh * rows;
+  }
+
+  int64_t base_items = std::min(shared_jobs, target);  // counted up to target only
   for (int64_t r = 0; r < s.num_reqs && base_items < target; ++r) {
     const int64_t q_len = qsl[r + 1] - qsl[r];  // decode-like requests: one item, all heads
     base_items += q_len <= s.tile ? 1 : std::min(target, kvh * ceil_div(q_len, s.tile));
@@ -131,46 +317,56 @@ StepPlan partition_step(const PlanShape& s, const int32_t* qsl, const int32_t* s
   const int64_t head_groups =
       s.batch_invariant && few ? std::min(kvh, ceil_div(target, base_items)) : 1;
   const int64_t decode_heads_per_item = ceil_div(kvh, head_groups);
-  const auto i32 = [](int64_t v) { return static_cast<int32_t>(v); };
-  StepPlan plan;
   plan.splits_of.resize(s.num_reqs);
+  bool any_grouped = false;
   for (int64_t r = 0; r < s.num_reqs; ++r) {
-    const int64_t q_len = qsl[r + 1] - qsl[r], kv_len = sl[r];
+    const int64_t q_len = qsl[r + 1] - qsl[r];
+    const int64_t own_keys = sl[r] - plan.prefix_keys[r];
     const bool decode_like = q_len <= s.tile;
+    const bool member = group_of[r] >= 0;
     int64_t splits = 1;
     if (s.enable_kv_split && !s.batch_invariant && decode_like && few)
       splits = std::min({ceil_div(target, base_items), kMaxSplits,
-                         std::max<int64_t>(1, kv_len / kMinSplitKeys)});
+                         std::max<int64_t>(1, own_keys / kMinSplitKeys)});
     plan.splits_of[r] = i32(splits);
     if (q_len == 0) continue;
     // Decode-like requests (one query tile) get items spanning every kv head (WorkItem),
     // or a group of them (batch-invariant plans of small batches).
     const int64_t heads_per_item = decode_like ? decode_heads_per_item : 1;
-    plan.any_grouped |= decode_like;
+    any_grouped |= decode_like;
     for (int64_t h = 0; h < kvh; h += heads_per_item) {
       const int64_t item_heads = std::min(heads_per_item, kvh - h);
       for (int64_t t = 0; t < q_len; t += s.tile) {
         const int64_t qe = std::min(q_len, t + s.tile);
         const int64_t rows = (qe - t) * s.group * item_heads;
-        if (splits == 1) {
-          plan.jobs.push_back({{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), -1, 1, -1},
-                               rows * std::max<int64_t>(kv_len, 1)});
+        if (splits == 1 && !member) {
+          plan.jobs.push_back(
+              {{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), -1, 1, -1, -1},
+               rows * std::max<int64_t>(sl[r], 1)});
           continue;
         }
         // One merge per kv head: the partials were written by every thread, and per-head
         // merges spread those (mostly cross-core) reads over the threads too.
-        for (int64_t k = 0; k < item_heads; ++k)
+        for (int64_t k = 0; k < item_heads; ++k) {
+          int64_t prefix_row = -1;
+          if (member) {
+            const auto& grp = plan.groups[group_of[r]];
+            prefix_row = grp[kGroupRowBase] + (h + k) * grp[kGroupTokens] * s.group +
+                         (token_at[r] + t) * s.group;
+          }
           plan.merges.push_back({i32(r), i32(h + k), i32(t), i32(qe), i32(plan.num_slots),
-                                 i32(splits), i32(k * (qe - t) * s.group), 0});
+                                 i32(splits), i32(k * (qe - t) * s.group), i32(prefix_row)});
+        }
         for (int64_t sp = 0; sp < splits; ++sp)
           plan.jobs.push_back({{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), i32(sp),
-                                i32(splits), i32(plan.num_slots + sp)},
-                               rows * ceil_div(kv_len, splits)});
+                                i32(splits), i32(plan.num_slots + sp), -1},
+                               rows * std::max<int64_t>(1, ceil_div(own_keys, splits))});
         plan.num_slots += splits;
         plan.slot_rows = std::max(plan.slot_rows, rows);
       }
     }
   }
+  plan.max_rows = std::max(plan.max_rows, s.tile * s.group * (any_grouped ? kvh : 1));
   // Longest first, handed out dynamically: balances mixed prefill/decode batches.
   std::stable_sort(plan.jobs.begin(), plan.jobs.end(),
                    [](const StepPlan::Job& a, const StepPlan::Job& b) { return a.cost > b.cost; });
@@ -183,7 +379,9 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
                                            const at::Tensor& seq_lens, at::ScalarType dtype,
                                            const at::Tensor& query_start_loc, bool causal,
                                            int64_t sliding_window_size, int64_t isa,
-                                           bool enable_kv_split, bool batch_invariant) {
+                                           bool enable_kv_split, bool batch_invariant,
+                                           const std::optional<at::Tensor>& block_table,
+                                           int64_t block_size, int64_t common_prefix_len) {
   const char* op = "cpu_attn_get_scheduler_metadata";
   const IsaHint hint = check_isa_hint(isa, op);
   TORCH_CHECK_VALUE(!(batch_invariant && hint == IsaHint::kAmx), op,
@@ -207,20 +405,51 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
   const int32_t* sl = sl_c.data_ptr<int32_t>();
   const int32_t* qsl = qsl_c.data_ptr<int32_t>();
   check_lengths(qsl, sl, num_reqs, -1);
+  TORCH_CHECK_VALUE(common_prefix_len >= 0, op, ": common_prefix_len must be >= 0, got ",
+                    common_prefix_len);
+  TORCH_CHECK_VALUE(common_prefix_len == 0 || block_table.has_value(), op,
+                    ": common_prefix_len (", common_prefix_len, ") needs the block_table");
+  TORCH_CHECK_VALUE(!(batch_invariant && common_prefix_len > 0), op,
+                    ": batch_invariant plans do not share prefixes (a row's arithmetic would "
+                    "depend on its batch-mates), got common_prefix_len ", common_prefix_len);
+  // Shared prefixes, from the block table (batch-invariant plans never share).
+  std::vector<SharedGroup> groups;
+  at::Tensor bt_c;
+  if (block_table.has_value()) {
+    check_index_tensor(*block_table, "block_table", at::kInt, 2);
+    check_block_size(block_size, "block_size");
+    TORCH_CHECK_VALUE(block_table->size(0) >= num_reqs, op, ": block_table has ",
+                      block_table->size(0), " rows, need one per request (", num_reqs, ")");
+    bt_c = block_table->contiguous();
+    const BlockTableView view{bt_c.data_ptr<int32_t>(), bt_c.size(1), bt_c.size(1), block_size};
+    if (common_prefix_len > 0)
+      groups = whole_batch_group(num_reqs, qsl, sl, view, common_prefix_len, op);
+    else if (!batch_invariant)
+      groups = find_shared_groups(num_reqs, qsl, sl, view);
+  } else {
+    TORCH_CHECK_VALUE(block_size == 0, op, ": block_size (", block_size,
+                      ") is only read with a block_table");
+  }
 
   const int64_t threads = at::get_num_threads();
   const int64_t group = num_heads / num_kv_heads;
   const int64_t tile = q_tile_tokens_for(group, hint);
-  const StepPlan plan = partition_step(
-      {num_reqs, num_kv_heads, group, tile, threads, enable_kv_split, batch_invariant}, qsl,
-      sl);
+  const bool shared_matrix = !groups.empty() && matrix_engine() != nullptr;
+  const StepPlan plan = partition_step({num_reqs, num_kv_heads, group, tile, threads,
+                                        enable_kv_split, batch_invariant, shared_matrix},
+                                       qsl, sl, groups);
 
   const int64_t num_jobs = static_cast<int64_t>(plan.jobs.size());
   const int64_t num_merges = static_cast<int64_t>(plan.merges.size());
+  const int64_t num_groups = static_cast<int64_t>(plan.groups.size());
+  const int64_t num_members = static_cast<int64_t>(plan.members.size());
   const int64_t jobs_at = kMetaHeaderSize + kMetaFieldsPerReq * num_reqs;
-  const int64_t numel = jobs_at + kJobFields * num_jobs + kMergeFields * num_merges;
-  TORCH_CHECK_VALUE(numel <= INT32_MAX && plan.num_slots <= INT32_MAX, op, ": the batch needs ",
-                    num_jobs, " work items; at most ", INT32_MAX / kJobFields, " are supported");
+  const int64_t numel = jobs_at + kJobFields * num_jobs + kMergeFields * num_merges +
+                        kGroupFields * num_groups + num_members;
+  TORCH_CHECK_VALUE(numel <= INT32_MAX && plan.num_slots <= INT32_MAX &&
+                        plan.prefix_rows <= INT32_MAX,
+                    op, ": the batch needs ", num_jobs, " work items; at most ",
+                    INT32_MAX / kJobFields, " are supported");
 
   at::Tensor meta = at::zeros({numel}, at::kInt);
   int32_t* md = meta.data_ptr<int32_t>();
@@ -240,13 +469,21 @@ at::Tensor cpu_attn_get_scheduler_metadata(int64_t num_reqs, int64_t num_heads,
   md[kMetaNumMerges] = i32(num_merges);
   md[kMetaNumSlots] = i32(plan.num_slots);
   md[kMetaSlotRows] = i32(plan.slot_rows);
-  md[kMetaMaxRows] = i32(tile * group * (plan.any_grouped ? num_kv_heads : 1));
+  md[kMetaMaxRows] = i32(plan.max_rows);
   md[kMetaBatchInvariant] = batch_invariant ? 1 : 0;
-  for (int64_t r = 0; r < num_reqs; ++r)
-    md[kMetaHeaderSize + r * kMetaFieldsPerReq + kReqNumKvSplits] = plan.splits_of[r];
+  md[kMetaNumGroups] = i32(num_groups);
+  md[kMetaNumMembers] = i32(num_members);
+  md[kMetaPrefixRows] = i32(plan.prefix_rows);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    int32_t* fields = md + kMetaHeaderSize + r * kMetaFieldsPerReq;
+    fields[kReqNumKvSplits] = plan.splits_of[r];
+    fields[kReqPrefixKeys] = plan.prefix_keys[r];
+  }
   int32_t* out = md + jobs_at;
   for (const auto& j : plan.jobs) out = std::copy(j.f, j.f + kJobFields, out);
   for (const auto& m : plan.merges) out = std::copy(m.begin(), m.end(), out);
+  for (const auto& g : plan.groups) out = std::copy(g.begin(), g.end(), out);
+  out = std::copy(plan.members.begin(), plan.members.end(), out);
   md[kMetaChecksum] = plan_checksum(md, numel, qsl, sl, num_reqs);
   return meta;
 }
@@ -289,11 +526,17 @@ int64_t align_floats(int64_t offset) { return (offset + 15) / 16 * 16; }
 
 // The plan of a call, checked against it (see the top of the file).
 struct CheckedPlan {
+  const int32_t* req_fields;  // kMetaFieldsPerReq per request
   const int32_t* jobs;
   const int32_t* merges;
+  const int32_t* groups;
+  const int32_t* members;
   int64_t num_reqs, num_jobs, num_merges, num_slots, slot_rows, max_rows, tile;
+  int64_t num_groups, num_members, prefix_rows;
   IsaHint hint;
   bool batch_invariant;
+  int64_t prefix_keys(int64_t r) const { return req_fields[r * kMetaFieldsPerReq + kReqPrefixKeys]; }
+  const int32_t* group(int64_t g) const { return groups + g * kGroupFields; }
 };
 
 CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_heads,
@@ -328,32 +571,75 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
   plan.slot_rows = md[kMetaSlotRows];
   plan.max_rows = md[kMetaMaxRows];
   plan.batch_invariant = md[kMetaBatchInvariant] != 0;
+  plan.num_groups = md[kMetaNumGroups];
+  plan.num_members = md[kMetaNumMembers];
+  plan.prefix_rows = md[kMetaPrefixRows];
   const int64_t jobs_at = kMetaHeaderSize + kMetaFieldsPerReq * num_reqs;
   const int64_t want = jobs_at + kJobFields * std::max<int64_t>(plan.num_jobs, 0) +
-                       kMergeFields * std::max<int64_t>(plan.num_merges, 0);
+                       kMergeFields * std::max<int64_t>(plan.num_merges, 0) +
+                       kGroupFields * std::max<int64_t>(plan.num_groups, 0) +
+                       std::max<int64_t>(plan.num_members, 0);
   TORCH_CHECK_VALUE(n == want, "scheduler_metadata has ", n, " elements; its header describes ",
-                    num_reqs, " requests, ", plan.num_jobs, " jobs and ", plan.num_merges,
-                    " merges, i.e. ", want, " (truncated or corrupt)");
+                    num_reqs, " requests, ", plan.num_jobs, " jobs, ", plan.num_merges,
+                    " merges, ", plan.num_groups, " shared-prefix groups and ", plan.num_members,
+                    " members, i.e. ", want, " (truncated or corrupt)");
   TORCH_CHECK_VALUE(md[kMetaChecksum] == plan_checksum(md, n, qsl, sl, num_reqs),
                     "scheduler_metadata does not match this call's query_start_loc/seq_lens ",
                     "(planned for another step?) or is corrupt; rebuild it with ",
                     "cpu_attn_get_scheduler_metadata");
   // Bounds, so that no metadata at all can make the op read or write out of range.
-  const int64_t max_rows = q_tile_tokens_for(group, plan.hint) * group * num_kv_heads;
+  const int64_t max_rows = std::max(q_tile_tokens_for(group, plan.hint) * group * num_kv_heads,
+                                    kSharedRowsPerJob);
   TORCH_CHECK_VALUE(plan.num_jobs >= 0 && plan.num_merges >= 0 && plan.num_slots >= 0 &&
                         plan.num_slots <= plan.num_jobs && plan.max_rows >= 1 &&
                         plan.max_rows <= max_rows && plan.slot_rows >= 0 &&
-                        plan.slot_rows <= plan.max_rows,
+                        plan.slot_rows <= plan.max_rows && plan.num_groups >= 0 &&
+                        plan.num_members >= 0 && plan.prefix_rows >= 0 &&
+                        (plan.num_groups > 0 || plan.prefix_rows == 0),
                     "scheduler_metadata is corrupt (plan header out of range)");
+  plan.req_fields = md + kMetaHeaderSize;
   plan.jobs = md + jobs_at;
   plan.merges = plan.jobs + kJobFields * plan.num_jobs;
+  plan.groups = plan.merges + kMergeFields * plan.num_merges;
+  plan.members = plan.groups + kGroupFields * plan.num_groups;
+  for (int64_t r = 0; r < num_reqs; ++r)
+    TORCH_CHECK_VALUE(plan.prefix_keys(r) >= 0 && plan.prefix_keys(r) <= sl[r],
+                      "scheduler_metadata is corrupt (prefix_keys of request ", r,
+                      " out of range)");
+  // A group's keys are read through its representative's block table by every member's
+  // rows: they must exist in every member's (check_block_ids checks the ids themselves).
+  for (int64_t g = 0; g < plan.num_groups; ++g) {
+    const int32_t* grp = plan.group(g);
+    const int64_t rep = grp[kGroupRep], first = grp[kGroupMemberBegin];
+    bool ok = rep >= 0 && rep < num_reqs && grp[kGroupKeys] >= 1 && grp[kGroupKeys] <= sl[rep] &&
+              first >= 0 && grp[kGroupNumMembers] >= 1 &&
+              first + grp[kGroupNumMembers] <= plan.num_members && grp[kGroupRowBase] >= 0 &&
+              grp[kGroupRowBase] + int64_t{grp[kGroupTokens]} * group * num_kv_heads <=
+                  plan.prefix_rows;
+    int64_t tokens = 0;
+    for (int64_t i = first; ok && i < first + grp[kGroupNumMembers]; ++i) {
+      const int64_t m = plan.members[i];
+      ok = m >= 0 && m < num_reqs && grp[kGroupKeys] <= sl[m];
+      if (ok) tokens += qsl[m + 1] - qsl[m];
+    }
+    ok = ok && tokens == grp[kGroupTokens];
+    TORCH_CHECK_VALUE(ok, "scheduler_metadata is corrupt (shared-prefix group ", g,
+                      " out of range)");
+  }
   for (int64_t i = 0; i < plan.num_jobs; ++i) {
     const int32_t* j = plan.jobs + i * kJobFields;
-    const int64_t r = j[kJobReq];
+    const int64_t r = j[kJobReq], g = j[kJobGroup];
     bool ok = r >= 0 && r < num_reqs && j[kJobKvHead] >= 0 && j[kJobKvHeads] >= 1 &&
               j[kJobKvHead] + int64_t{j[kJobKvHeads]} <= num_kv_heads && j[kJobQBegin] >= 0 &&
-              j[kJobQBegin] < j[kJobQEnd] && j[kJobQEnd] <= qsl[r + 1] - int64_t{qsl[r]} &&
-              j[kJobQEnd] - j[kJobQBegin] <= plan.tile;
+              j[kJobQBegin] < j[kJobQEnd] && g >= -1 && g < plan.num_groups;
+    if (ok && g >= 0) {  // tokens of the group's list; several heads only over all of them
+      const int32_t* grp = plan.group(g);
+      ok = r == grp[kGroupRep] && j[kJobQEnd] <= grp[kGroupTokens] && j[kJobSplit] == -1 &&
+           j[kJobSlot] == -1 &&
+           (j[kJobKvHeads] == 1 || (j[kJobQBegin] == 0 && j[kJobQEnd] == grp[kGroupTokens]));
+    } else if (ok) {
+      ok = j[kJobQEnd] <= qsl[r + 1] - int64_t{qsl[r]} && j[kJobQEnd] - j[kJobQBegin] <= plan.tile;
+    }
     const int64_t rows = ok ? int64_t{j[kJobQEnd] - j[kJobQBegin]} * group * j[kJobKvHeads] : 0;
     ok = ok && rows <= plan.max_rows &&
          (j[kJobSplit] == -1 ? j[kJobSlot] == -1
@@ -365,13 +651,16 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
   for (int64_t i = 0; i < plan.num_merges; ++i) {
     const int32_t* m = plan.merges + i * kMergeFields;
     const int64_t r = m[kMergeReq];
+    const int64_t rows = int64_t{m[kMergeQEnd]} - m[kMergeQBegin];
     const bool ok =
         r >= 0 && r < num_reqs && m[kMergeKvHead] >= 0 && m[kMergeKvHead] < num_kv_heads &&
         m[kMergeQBegin] >= 0 && m[kMergeQBegin] < m[kMergeQEnd] &&
         m[kMergeQEnd] <= qsl[r + 1] - int64_t{qsl[r]} && m[kMergeNSplit] >= 1 &&
         m[kMergeNSplit] <= kMaxSplits && m[kMergeSlot] >= 0 &&
         m[kMergeSlot] + int64_t{m[kMergeNSplit]} <= plan.num_slots && m[kMergeRow0] >= 0 &&
-        m[kMergeRow0] + int64_t{m[kMergeQEnd] - m[kMergeQBegin]} * group <= plan.slot_rows;
+        m[kMergeRow0] + rows * group <= plan.slot_rows &&
+        (m[kMergePrefixRow] == -1 ||
+         (m[kMergePrefixRow] >= 0 && m[kMergePrefixRow] + rows * group <= plan.prefix_rows));
     TORCH_CHECK_VALUE(ok, "scheduler_metadata is corrupt (merge ", i, " out of range)");
   }
   return plan;
@@ -379,12 +668,16 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
 
 // Key range of a job: the request's whole range, or chunk `split` of `nsplit` block-aligned
 // chunks (at least kMinSplitKeys keys each; trailing ones may be empty) of the keys this
-// call lets the request see.
-std::pair<int64_t, int64_t> job_keys(const AttnParams& p, const int32_t* j) {
-  const int64_t r = j[kJobReq], kv_len = p.seq_lens[r];
-  if (j[kJobSplit] < 0) return {0, kv_len};
-  const KeyRange vis =
+// call lets the request see; for a member of a shared-prefix group, of those past the
+// group's keys (prefix_keys). A shared-prefix job covers the group's keys.
+std::pair<int64_t, int64_t> job_keys(const AttnParams& p, const CheckedPlan& plan,
+                                     const int32_t* j) {
+  if (j[kJobGroup] >= 0) return {0, plan.group(j[kJobGroup])[kGroupKeys]};
+  const int64_t r = j[kJobReq], kv_len = p.seq_lens[r], skip = plan.prefix_keys(r);
+  if (j[kJobSplit] < 0) return {skip, kv_len};
+  KeyRange vis =
       request_key_range(p, p.query_start_loc[r + 1] - int64_t{p.query_start_loc[r]}, kv_len);
+  vis.first = std::max(vis.first, skip);
   const int64_t count = std::max<int64_t>(0, vis.last - vis.first + 1);
   const int64_t chunk =
       ceil_div(std::max(ceil_div(count, j[kJobNSplit]), kMinSplitKeys), p.block_size) *
@@ -545,8 +838,12 @@ AttnParams make_params(const CallShape& c, const at::Tensor& query, const at::Te
   return p;
 }
 
-// Only the blocks each request actually reads must be valid ids.
-void check_block_ids(const AttnParams& p, const CallShape& c, int64_t table_cols) {
+// Only the blocks each request actually reads must be valid ids. A shared-prefix group's
+// jobs read its keys through its representative's row for every member, so the members'
+// rows must hold the same ids there: a block table other than the one the plan was made
+// for is refused, not read as the wrong keys.
+void check_block_ids(const AttnParams& p, const CallShape& c, int64_t table_cols,
+                     const CheckedPlan& plan) {
   const int64_t bs = c.block_size;
   for (int64_t r = 0; r < c.num_reqs; ++r) {
     const int32_t* sl = p.seq_lens;
@@ -559,6 +856,28 @@ void check_block_ids(const AttnParams& p, const CallShape& c, int64_t table_cols
     for (int64_t b = vis.first / bs; b <= vis.last / bs; ++b)
       TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < c.num_blocks, "block_table[", r, ", ", b, "] (",
                         row[b], ") is out of range for a cache of ", c.num_blocks, " blocks");
+  }
+  for (int64_t g = 0; g < plan.num_groups; ++g) {
+    const int32_t* grp = plan.group(g);
+    const int64_t rep = grp[kGroupRep], blocks = ceil_div(grp[kGroupKeys], bs);
+    TORCH_CHECK_VALUE(blocks <= table_cols, "scheduler_metadata's shared prefix of request ", rep,
+                      " needs ", blocks, " blocks of ", bs, " but block_table has only ",
+                      table_cols, " columns (a plan made for another block size?)");
+    const int32_t* rep_row = p.block_table + rep * p.bt_stride;
+    for (int64_t b = 0; b < blocks; ++b)
+      TORCH_CHECK_VALUE(rep_row[b] >= 0 && rep_row[b] < c.num_blocks, "block_table[", rep, ", ",
+                        b, "] (", rep_row[b], ") is out of range for a cache of ", c.num_blocks,
+                        " blocks");
+    for (int64_t i = grp[kGroupMemberBegin]; i < grp[kGroupMemberBegin] + grp[kGroupNumMembers];
+         ++i) {
+      const int64_t m = plan.members[i];
+      const int32_t* row = p.block_table + m * p.bt_stride;
+      for (int64_t b = 0; b < blocks; ++b)
+        TORCH_CHECK_VALUE(row[b] == rep_row[b], "block_table[", m, ", ", b, "] (", row[b],
+                          ") differs from block_table[", rep, ", ", b, "] (", rep_row[b],
+                          "), which scheduler_metadata shares between them: plan the step with "
+                          "this block_table");
+    }
   }
 }
 
@@ -589,7 +908,8 @@ void plan_matrix_pack(AttnParams& p, const CheckedPlan& plan, MatrixPack& pack,
   std::vector<char> wants(num_reqs, 0);
   for (int64_t i = 0; i < plan.num_jobs; ++i) {
     const int32_t* j = plan.jobs + i * kJobFields;
-    if (item_runs_on_matrix(p, j[kJobQEnd] - j[kJobQBegin], j[kJobKvHeads])) wants[j[kJobReq]] = 1;
+    if (j[kJobGroup] < 0 && item_runs_on_matrix(p, j[kJobQEnd] - j[kJobQBegin], j[kJobKvHeads]))
+      wants[j[kJobReq]] = 1;
   }
   pack_req.assign(3 * num_reqs, -1);
   int64_t tiles = 0;
@@ -616,22 +936,51 @@ void plan_matrix_pack(AttnParams& p, const CheckedPlan& plan, MatrixPack& pack,
   p.packed = &pack;
 }
 
-// Runs the plan's work items on the pool, then merges the split partials.
+// Each shared-prefix group's token list (kernel_api.h PrefixToken), member by member in
+// the group's member order; group g's list starts at at[g].
+void group_tokens(const AttnParams& p, const CheckedPlan& plan, std::vector<PrefixToken>& tokens,
+                  std::vector<int64_t>& at) {
+  tokens.clear();
+  at.assign(plan.num_groups, 0);
+  for (int64_t g = 0; g < plan.num_groups; ++g) {
+    const int32_t* grp = plan.group(g);
+    at[g] = static_cast<int64_t>(tokens.size());
+    for (int64_t i = grp[kGroupMemberBegin]; i < grp[kGroupMemberBegin] + grp[kGroupNumMembers];
+         ++i) {
+      const int32_t m = plan.members[i];
+      const int32_t qs = p.query_start_loc[m], q_len = p.query_start_loc[m + 1] - qs;
+      for (int32_t t = 0; t < q_len; ++t)
+        tokens.push_back(PrefixToken{qs + t, p.seq_lens[m] - q_len + t});
+    }
+  }
+}
+
+// Runs the plan's work items on the pool, then merges the split and shared-prefix partials.
 void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_size) {
   const KernelTable* kt = current_kernels();
   const int64_t hs = head_size;
-  // Workspace: per-worker scratch, then the split partials (outputs, log-sum-exps).
+  // Workspace: per-worker scratch, the split partials (outputs, log-sum-exps), then the
+  // shared-prefix partials (the same).
   const int64_t threads = at::get_num_threads();
   const int64_t scratch_floats =
       align_floats(static_cast<int64_t>(attn_scratch_floats(plan.max_rows, hs, p.block_size)));
   const int64_t nworkers = std::max<int64_t>(1, std::min(threads, plan.num_jobs));
   const int64_t part_out_at = nworkers * scratch_floats;
   const int64_t part_lse_at = align_floats(part_out_at + plan.num_slots * plan.slot_rows * hs);
+  const int64_t prefix_out_at = align_floats(part_lse_at + plan.num_slots * plan.slot_rows);
+  const int64_t prefix_lse_at = align_floats(prefix_out_at + plan.prefix_rows * hs);
   thread_local Workspace workspace;
-  float* scr =
-      workspace.floats(static_cast<size_t>(part_lse_at + plan.num_slots * plan.slot_rows));
+  float* scr = workspace.floats(static_cast<size_t>(prefix_lse_at + plan.prefix_rows));
   float* part_out = scr + part_out_at;
   float* part_lse = scr + part_lse_at;
+  float* prefix_out = scr + prefix_out_at;
+  float* prefix_lse = scr + prefix_lse_at;
+  // The caller's lists: a thread_local named inside the workers' lambda would be theirs.
+  thread_local std::vector<PrefixToken> tokens_kept;
+  thread_local std::vector<int64_t> tokens_at_kept;
+  group_tokens(p, plan, tokens_kept, tokens_at_kept);
+  const PrefixToken* tokens = tokens_kept.data();
+  const int64_t* tokens_at = tokens_at_kept.data();
 
   std::atomic<int64_t> next{0};
   const bool profiling = p.matrix != nullptr && matrix_engine_profiling();
@@ -640,13 +989,34 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
   AttnParams packed_params = p;
   if (p.matrix != nullptr) plan_matrix_pack(packed_params, plan, pack, pack_req);
   const AttnParams& pp = packed_params;
+  // Shared-prefix jobs run on the matrix engine or the vector kernels as their group's
+  // plan says (whatever the call's hint), and pack their own tiles.
+  AttnParams shared_matrix = p, shared_vector = p;
+  shared_matrix.matrix = plan.num_groups > 0 ? matrix_engine() : nullptr;
+  shared_matrix.packed = shared_vector.packed = nullptr;
+  shared_vector.matrix = nullptr;
+  const int64_t G = p.num_heads / p.num_kv_heads;
   pool_parallel_for(0, nworkers, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
       const int64_t start = profiling ? matrix_engine_clock_ns() : 0;
       float* mine = scr + w * scratch_floats;
+      bool used_matrix = p.matrix != nullptr;
       for (int64_t i = next.fetch_add(1); i < plan.num_jobs; i = next.fetch_add(1)) {
         const int32_t* j = plan.jobs + i * kJobFields;
-        const auto keys = job_keys(p, j);
+        const auto keys = job_keys(p, plan, j);
+        if (j[kJobGroup] >= 0) {
+          const int32_t* grp = plan.group(j[kJobGroup]);
+          const int64_t row = grp[kGroupRowBase] + j[kJobKvHead] * grp[kGroupTokens] * G +
+                              j[kJobQBegin] * G;
+          WorkItem item{j[kJobReq], j[kJobKvHead], 0, j[kJobQEnd] - j[kJobQBegin],
+                        static_cast<int32_t>(keys.first), static_cast<int32_t>(keys.second),
+                        prefix_out + row * hs, prefix_lse + row, j[kJobKvHeads],
+                        tokens + tokens_at[j[kJobGroup]] + j[kJobQBegin]};
+          const bool on_matrix = grp[kGroupMatrix] != 0 && shared_matrix.matrix != nullptr;
+          used_matrix |= on_matrix;
+          kt->attn_item(on_matrix ? shared_matrix : shared_vector, item, mine);
+          continue;
+        }
         const int64_t slot = j[kJobSlot];
         WorkItem item{j[kJobReq], j[kJobKvHead], j[kJobQBegin], j[kJobQEnd],
                       static_cast<int32_t>(keys.first), static_cast<int32_t>(keys.second),
@@ -655,7 +1025,7 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
         kt->attn_item(pp, item, mine);
       }
       if (profiling) matrix_engine_add_busy(matrix_engine_clock_ns() - start);
-      if (p.matrix != nullptr) matrix_engine_release();
+      if (used_matrix) matrix_engine_release();
     }
   });
   if (pp.packed != nullptr && pack_workspace().bytes() > static_cast<size_t>(kKeptPackBytes))
@@ -665,8 +1035,13 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
     for (int64_t i = b; i < e; ++i) {
       const int32_t* m = plan.merges + i * kMergeFields;
       const int64_t row0 = m[kMergeSlot] * plan.slot_rows + m[kMergeRow0];
+      const int64_t prefix_row = m[kMergePrefixRow];
       WorkItem item{m[kMergeReq], m[kMergeKvHead], m[kMergeQBegin], m[kMergeQEnd], 0,
                     p.seq_lens[m[kMergeReq]], part_out + row0 * hs, part_lse + row0, 1};
+      if (prefix_row >= 0) {
+        item.prefix_out = prefix_out + prefix_row * hs;
+        item.prefix_lse = prefix_lse + prefix_row;
+      }
       kt->merge(p, item, m[kMergeNSplit], plan.slot_rows * hs, plan.slot_rows);
     }
   });
@@ -713,7 +1088,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& key_
                              softcap, sink_f, k_scale, v_scale);
   if (plan.hint == IsaHint::kAmx) p.matrix = matrix_engine();
   p.row_invariant = plan.batch_invariant;
-  check_block_ids(p, c, block_table.size(1));
+  check_block_ids(p, c, block_table.size(1), plan);
   if (c.num_tokens == 0 || plan.num_jobs == 0) return;
   execute_plan(p, plan, c.head_size);
 }
@@ -724,8 +1099,8 @@ TORCH_LIBRARY_FRAGMENT(pagedattn, m) {
   m.def(
       "cpu_attn_get_scheduler_metadata(int num_reqs, int num_heads, int num_kv_heads, "
       "int head_dim, Tensor seq_lens, ScalarType dtype, Tensor query_start_loc, bool causal, "
-      "int sliding_window_size, int isa, bool enable_kv_split, bool batch_invariant=False) "
-      "-> Tensor");
+      "int sliding_window_size, int isa, bool enable_kv_split, bool batch_invariant=False, "
+      "Tensor? block_table=None, int block_size=0, int common_prefix_len=0) -> Tensor");
   m.def(
       "cpu_attention_with_kv_cache(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor(a!) output, Tensor query_start_loc, Tensor seq_lens, float scale, bool causal, "

@@ -377,8 +377,10 @@ struct AttnKernel {
   }
 
   static void run(const AttnParams& p, const WorkItem& it, float* scratch) {
-    if constexpr (std::is_same<T, C>::value)  // the lanes kernels read T caches only
-      if (!p.row_invariant && PrefillItem<VO, T>::run(p, it, scratch)) return;
+    // The lanes kernels read T caches and the rows of one request only.
+    if constexpr (std::is_same<T, C>::value)
+      if (!p.row_invariant && it.tokens == nullptr && PrefillItem<VO, T>::run(p, it, scratch))
+        return;
     const int G = p.num_heads / p.num_kv_heads;
     const int R = it.heads() * (it.q_end - it.q_begin) * G;
     const Scratch s = carve(scratch, R, p.head_size, p.block_size);
@@ -393,15 +395,12 @@ struct AttnKernel {
   static KeyRange init_rows(const AttnParams& p, const WorkItem& it, Scratch s) {
     const int D = p.head_size;
     const int G = p.num_heads / p.num_kv_heads;
-    const int64_t qs = p.query_start_loc[it.req];
-    const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
-    const int64_t kv_len = p.seq_lens[it.req];
     const int ntok = it.q_end - it.q_begin;
     const int Rh = ntok * G;  // rows per kv head
     const int R = it.heads() * Rh;
     int64_t ulo = INT64_MAX, uhi = -1;
     for (int t = 0; t < ntok; ++t) {
-      const int64_t ps = kv_len - q_len + it.q_begin + t;
+      const int64_t ps = item_token(p, it, t).pos;
       const KeyRange keys = visible_key_range(p, ps, it.kv_begin, it.kv_end);
       int64_t a = keys.first, b = keys.last;
       if (a <= b) {
@@ -416,8 +415,8 @@ struct AttnKernel {
       }
     }
     for (int r = 0; r < R; ++r) {
-      QkT::pack(q_row(p, qs + it.q_begin + row_token(r, Rh, G), row_head(it, r, Rh, G)),
-                      s.qp + r * D, D);
+      QkT::pack(q_row(p, item_token(p, it, row_token(r, Rh, G)).token, row_head(it, r, Rh, G)),
+                s.qp + r * D, D);
       s.m[r] = kNegInf;
       s.l[r] = 0.f;
       for (int d = 0; d < D; d += W) VO::store(s.acc + r * D + d, VO::zero());
@@ -583,7 +582,6 @@ struct AttnKernel {
                      const float* l) {
     const int D = p.head_size;
     const int G = p.num_heads / p.num_kv_heads;
-    const int64_t qs = p.query_start_loc[it.req];
     const int Rh = (it.q_end - it.q_begin) * G;
     const int R = it.heads() * Rh;
     if (it.part_out == nullptr) {
@@ -603,7 +601,7 @@ struct AttnKernel {
           f = 1.f / denom;
         }
         f *= p.v_scale;
-        store_row(out_row(p, qs + it.q_begin + row_token(r, Rh, G), h), acc + r * D, f, D);
+        store_row(out_row(p, item_token(p, it, row_token(r, Rh, G)).token, h), acc + r * D, f, D);
       }
     } else {
       for (int r = 0; r < R; ++r) {
@@ -675,7 +673,8 @@ struct AttnKernel {
     if (ms.moved) rescale<VO>(acc, W, D / W, VO::set1(ms.corr));
   }
 
-  // Log-sum-exp merge of nsplit partials (plus the sink) into the output rows.
+  // Log-sum-exp merge of nsplit partials, the shared-prefix partial where the item has
+  // one (it.prefix_out / prefix_lse, rows as part_out's), and the sink, into the output rows.
   static void merge(const AttnParams& p, const WorkItem& it, int nsplit, int64_t split_stride,
                     int64_t lse_stride) {
     const int D = p.head_size;
@@ -683,27 +682,34 @@ struct AttnKernel {
     const int64_t qs = p.query_start_loc[it.req];
     const int Rh = (it.q_end - it.q_begin) * G;
     const int R = it.heads() * Rh;
+    // Partial s < nsplit: split s; s == nsplit: the shared prefix.
+    const int nparts = nsplit + (it.prefix_out != nullptr ? 1 : 0);
+    const auto lse_of = [&](int s, int r) {
+      return s < nsplit ? it.part_lse[s * lse_stride + r] : it.prefix_lse[r];
+    };
+    const auto out_of = [&](int s, int r) {
+      return s < nsplit ? it.part_out + s * split_stride + r * D : it.prefix_out + r * D;
+    };
     for (int r = 0; r < R; ++r) {
       const int h = row_head(it, r, Rh, G);
       float mx = p.sink != nullptr ? p.sink[h] : kNegInf;
-      for (int s = 0; s < nsplit; ++s) mx = std::max(mx, it.part_lse[s * lse_stride + r]);
+      for (int s = 0; s < nparts; ++s) mx = std::max(mx, lse_of(s, r));
       T* dst = out_row(p, qs + it.q_begin + row_token(r, Rh, G), h);
       if (mx == kNegInf) {
         for (int d = 0; d < D; d += W) VO::cvt_store(dst + d, VO::zero());
         continue;
       }
       float denom = p.sink != nullptr ? std::exp(p.sink[h] - mx) : 0.f;
-      float wts[kMaxSplits];
-      for (int s = 0; s < nsplit; ++s) {
-        const float lse = it.part_lse[s * lse_stride + r];
+      float wts[kMaxSplits + 1];
+      for (int s = 0; s < nparts; ++s) {
+        const float lse = lse_of(s, r);
         wts[s] = lse == kNegInf ? 0.f : std::exp(lse - mx);
         denom += wts[s];
       }
       for (int d = 0; d < D; d += W) {
         V a = VO::zero();
-        for (int s = 0; s < nsplit; ++s)
-          if (wts[s] != 0.f)
-            a = VO::fma(VO::set1(wts[s]), VO::load(it.part_out + s * split_stride + r * D + d), a);
+        for (int s = 0; s < nparts; ++s)
+          if (wts[s] != 0.f) a = VO::fma(VO::set1(wts[s]), VO::load(out_of(s, r) + d), a);
         VO::cvt_store(dst + d, denom > 0.f ? VO::mul(a, VO::set1(1.f / denom)) : VO::zero());
       }
     }

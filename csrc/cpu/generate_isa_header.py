@@ -66,7 +66,9 @@ def render(isa) -> str:
     out += [f"  kReq{camel(n)[1:]} = {i}," for i, n in enumerate(isa.METADATA_FIELDS_PER_REQ)]
     out += ["};", f"constexpr int64_t kMetaFieldsPerReq = {len(isa.METADATA_FIELDS_PER_REQ)};",
             f"constexpr int32_t kMetaMagicValue = {isa.METADATA_MAGIC:#x};",
-            f"constexpr int32_t kMetaVersionValue = {isa.METADATA_VERSION};", ""]
+            f"constexpr int32_t kMetaVersionValue = {isa.METADATA_VERSION};",
+            "// Shared prefixes: the fewest keys a group of requests shares for sharing to pay.",
+            f"constexpr int64_t kSharedPrefixMinKeys = {isa.SHARED_PREFIX_MIN_KEYS};", ""]
 
     # Grouped by architecture macro: one #if per architecture, not one per ISA.
     by_macro: dict = {}

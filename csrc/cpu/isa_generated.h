@@ -72,16 +72,21 @@ enum MetaHeaderField : int64_t {
   kMetaSlotRows = 14,
   kMetaMaxRows = 15,
   kMetaBatchInvariant = 16,
-  kMetaChecksum = 17,
+  kMetaNumGroups = 17,
+  kMetaNumMembers = 18,
+  kMetaPrefixRows = 19,
+  kMetaChecksum = 20,
 };
-constexpr int64_t kMetaHeaderSize = 18;
+constexpr int64_t kMetaHeaderSize = 21;
 enum MetaReqField : int64_t {
   kReqNumKvSplits = 0,
-  kReqReserved = 1,
+  kReqPrefixKeys = 1,
 };
 constexpr int64_t kMetaFieldsPerReq = 2;
 constexpr int32_t kMetaMagicValue = 0x50414d44;
-constexpr int32_t kMetaVersionValue = 3;
+constexpr int32_t kMetaVersionValue = 4;
+// Shared prefixes: the fewest keys a group of requests shares for sharing to pay.
+constexpr int64_t kSharedPrefixMinKeys = 64;
 
 // One kernel table per ISA translation unit (defined in kernels_<isa>.cpp).
 struct KernelTable;

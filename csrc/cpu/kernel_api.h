@@ -102,6 +102,18 @@ inline KeyRange request_key_range(const AttnParams& p, int64_t q_len, int64_t kv
 // Most key splits of one query tile: the merge keeps a weight per split on the stack.
 constexpr int64_t kMaxSplits = 64;
 
+// One query token of a shared-prefix item: its row in the query tensor and its absolute
+// position in its own request.
+struct PrefixToken {
+  int32_t token, pos;
+};
+
+// A shared-prefix item (tokens != nullptr) runs the query tokens of several requests
+// whose block tables begin with the same blocks against those keys, [kv_begin, kv_end):
+// token t of the item is tokens[t] (q_begin = 0), and req is the group's representative,
+// whose block table the item reads. It always writes a partial result (part_out), which
+// each member's merge folds with its own keys' partial (prefix_out / prefix_lse: the
+// member rows' shared-prefix partial, read by merges only).
 struct WorkItem {
   int32_t req, kv_head;
   int32_t q_begin, q_end;
@@ -109,8 +121,21 @@ struct WorkItem {
   float* part_out;
   float* part_lse;
   int32_t kv_heads = 1;
+  const PrefixToken* tokens = nullptr;
+  const float* prefix_out = nullptr;
+  const float* prefix_lse = nullptr;
   int heads() const { return kv_heads > 1 ? kv_heads : 1; }
 };
+
+// Token t (0 <= t < q_end - q_begin) of an item: its query-tensor row and its absolute
+// position (docs/semantics.md: a request's new tokens are its last ones).
+inline PrefixToken item_token(const AttnParams& p, const WorkItem& it, int64_t t) {
+  if (it.tokens != nullptr) return it.tokens[t];
+  const int64_t qs = p.query_start_loc[it.req];
+  const int64_t q_len = p.query_start_loc[it.req + 1] - qs;
+  return PrefixToken{static_cast<int32_t>(qs + it.q_begin + t),
+                     static_cast<int32_t>(p.seq_lens[it.req] - q_len + it.q_begin + t)};
+}
 
 // Linear layers (linear_kernel_impl.h): weights packed in panels of 16 output columns,
 // [ceil(n / 16), k, 16] (pagedattn.ops.pack_linear_weight); x, out and bias fp32.

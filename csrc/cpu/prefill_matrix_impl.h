@@ -137,6 +137,34 @@ struct MatrixPrefill {
     }
   }
 
+  // Requests the cache rows (K and V) of tile t's keys within vis into L2: an item that
+  // packs its own tiles asks for the next tile's rows before its GEMMs of this one, whose
+  // time then hides their misses (the rows of a shared prefix are cold: every step reads
+  // them once).
+  static void prefetch_tile_rows(const AttnParams& p, int req, int h, int64_t t, int NK,
+                                 KeyRange vis) {
+    const int64_t BS = p.block_size;
+    const int32_t* bt = p.block_table + req * p.bt_stride;
+    const int64_t first = std::max(t * NK, vis.first), last = std::min((t + 1) * NK - 1, vis.last);
+    const int64_t row_bytes = int64_t{p.head_size} * sizeof(C);
+    for (int64_t key = first; key <= last;) {
+      // Keys of one block are consecutive rows of each cache.
+      const int64_t run = std::min(last + 1, (key / BS + 1) * BS) - key;
+      const int64_t off = (key % BS) * p.k_stride_tok;
+      const int64_t blk = bt[key / BS];
+      const char* k = reinterpret_cast<const char*>(static_cast<const C*>(p.k_cache) +
+                                                    h * p.k_stride_head + blk * p.k_stride_block + off);
+      const char* v = reinterpret_cast<const char*>(static_cast<const C*>(p.v_cache) +
+                                                    h * p.v_stride_head + blk * p.v_stride_block +
+                                                    (key % BS) * p.v_stride_tok);
+      for (int64_t b = 0; b < run * row_bytes; b += 64) {
+        prefetch_l2(k + b);
+        prefetch_l2(v + b);
+      }
+      key += run;
+    }
+  }
+
   static KeyRange request_keys(const AttnParams& p, int req) {
     return request_key_range(p, p.query_start_loc[req + 1] - int64_t{p.query_start_loc[req]},
                              p.seq_lens[req]);
@@ -161,8 +189,6 @@ struct MatrixPrefill {
   // and l = 0, so the softmax treats rows a vector at a time.
   static Rows init_rows(const AttnParams& p, const WorkItem& it, int R, int M, float* at) {
     const int G = p.num_heads / p.num_kv_heads;
-    const int64_t q_len = p.query_start_loc[it.req + 1] - p.query_start_loc[it.req];
-    const int64_t kv_len = p.seq_lens[it.req];
     Rows rows;
     rows.m = at;
     rows.l = at + M;
@@ -174,7 +200,7 @@ struct MatrixPrefill {
       rows.l[r] = 0.f;
     }
     for (int r = 0; r < R; ++r) {
-      rows.pos[r] = kv_len - q_len + it.q_begin + r / G;
+      rows.pos[r] = item_token(p, it, r / G).pos;
       const KeyRange keys = visible_key_range(p, rows.pos[r], it.kv_begin, it.kv_end);
       rows.lo[r] = keys.first;
       rows.hi[r] = keys.last;
@@ -223,12 +249,12 @@ struct MatrixPrefill {
   static void load_queries(const AttnParams& p, const WorkItem& it, int R, int M, E* q) {
     const int D = p.head_size;
     const int G = p.num_heads / p.num_kv_heads;
-    const int64_t qs = p.query_start_loc[it.req];
-    for (int t = it.q_begin; t < it.q_end; ++t) {
-      prefetch_bytes(Base::q_row(p, qs + t, it.kv_head * G), int64_t{G} * D * sizeof(T), false);
+    for (int t = 0; t < it.q_end - it.q_begin; ++t) {
+      prefetch_bytes(Base::q_row(p, item_token(p, it, t).token, it.kv_head * G),
+                     int64_t{G} * D * sizeof(T), false);
     }
     for (int r = 0; r < R; ++r) {
-      const T* src = Base::q_row(p, qs + it.q_begin + r / G, it.kv_head * G + r % G);
+      const T* src = Base::q_row(p, item_token(p, it, r / G).token, it.kv_head * G + r % G);
       if constexpr (std::is_same<T, E>::value)
         std::memcpy(static_cast<void*>(q + r * D), src, sizeof(E) * D);
       else
@@ -239,20 +265,20 @@ struct MatrixPrefill {
 
   // The output rows finish() writes, requested a share per K/V tile, so that their
   // read-for-ownership misses overlap the tiles' GEMMs instead of stalling the stores.
+  // Items that write partials (split or shared-prefix items) request nothing.
   struct OutputPrefetch {
     const AttnParams& p;
     const WorkItem& it;
     int per_step, next;
     OutputPrefetch(const AttnParams& p_, const WorkItem& it_, int64_t steps)
-        : p(p_), it(it_), next(it_.q_begin) {
-      const int64_t tokens = it.q_end - it.q_begin;
+        : p(p_), it(it_), next(0) {
+      const int64_t tokens = it.part_out == nullptr ? it.q_end - it.q_begin : 0;
       per_step = static_cast<int>(steps > 0 ? (tokens + steps - 1) / steps : tokens);
     }
     void step() {
       const int G = p.num_heads / p.num_kv_heads;
-      const int64_t qs = p.query_start_loc[it.req];
-      for (int k = 0; k < per_step && next < it.q_end; ++k, ++next)
-        prefetch_bytes(Base::out_row(p, qs + next, it.kv_head * G),
+      for (int k = 0; k < per_step && next < it.q_end - it.q_begin; ++k, ++next)
+        prefetch_bytes(Base::out_row(p, item_token(p, it, next).token, it.kv_head * G),
                        int64_t{G} * p.head_size * sizeof(T), true);
     }
   };
@@ -282,8 +308,11 @@ struct MatrixPrefill {
     bool acc_ready = false;
 
     const ScoreTransform<VO> tr(p);
-    const bool packed = p.packed != nullptr && p.packed->holds(it.req);
-    const KeyRange vis = request_keys(p, it.req);
+    // A shared-prefix item packs its own tiles, zero outside its rows' keys: the call's
+    // tiles of its representative hold that request's visible keys only.
+    const bool shared = it.tokens != nullptr;
+    const bool packed = !shared && p.packed != nullptr && p.packed->holds(it.req);
+    const KeyRange vis = shared ? KeyRange{rows.ulo, rows.uhi} : request_keys(p, it.req);
     const int64_t ntiles = rows.ulo <= rows.uhi ? rows.uhi / NK - rows.ulo / NK + 1 : 0;
     OutputPrefetch out_prefetch(p, it, ntiles);
     for (int64_t t = rows.ulo / NK; rows.ulo <= rows.uhi && t <= rows.uhi / NK; ++t) {
@@ -300,8 +329,10 @@ struct MatrixPrefill {
         v_nonfinite = p.packed->v_nonfinite[idx] != 0;
       } else {
         MatrixPhaseTimer timer(p.matrix, MatrixPhase::kTilePack);
+        if (t == rows.ulo / NK) prefetch_tile_rows(p, it.req, it.kv_head, t, NK, vis);
         v_nonfinite = pack_tile<E>(p, it.req, it.kv_head, t, NK, vis, b.tile, b.conv);
         kt = b.tile;
+        if (t < rows.uhi / NK) prefetch_tile_rows(p, it.req, it.kv_head, t + 1, NK, vis);
       }
       const E* vt = kt + int64_t{NK} * D;
       // The item's last tile (the diagonal of a causal prefill) runs only the keys up to

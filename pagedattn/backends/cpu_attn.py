@@ -187,6 +187,13 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
                     else cpu_runtime.prefill_variant(self.plan_geometry, self.block_size,
                                                      kv_cache_spec.dtype))
 
+    def use_cascade_attention(self, common_prefix_len: int, query_lens, *args, **kwargs) -> bool:
+        """Whether the step should pass ``common_prefix_len`` to :meth:`build`: where the
+        planner's rule says reading that prefix once pays (:func:`cpu_runtime.
+        shared_prefix_pays`). Without it, :meth:`build` still finds shared prefixes in the
+        block table."""
+        return cpu_runtime.shared_prefix_pays(common_prefix_len, query_lens, self.batch_invariant)
+
     def build(
         self,
         common_prefix_len: int,
@@ -207,8 +214,14 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             query_start_loc, seq_lens, block_table = cpu_runtime.split_queries_longer_than_keys(
                 query_start_loc, seq_lens, block_table)
 
-        scheduler_metadata = cpu_runtime.plan_step(self.plan_geometry, self.isa, query_start_loc,
-                                                   seq_lens, causal, self.batch_invariant)
+        # Requests whose block tables begin with the same blocks share those keys' reads
+        # (found in the table; a common_prefix_len from the cascade interface is taken as
+        # a prefix of the whole batch).
+        scheduler_metadata = cpu_runtime.plan_step(
+            self.plan_geometry, self.isa, query_start_loc, seq_lens, causal,
+            self.batch_invariant, block_table=block_table, block_size=self.block_size,
+            common_prefix_len=0 if self.batch_invariant or self.is_cross_attention
+            else common_prefix_len)
         return CPUAttentionMetadata(
             isa=self.isa,
             num_actual_tokens=cm.num_actual_tokens,

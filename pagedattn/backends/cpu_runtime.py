@@ -9,7 +9,8 @@ every caller would otherwise re-derive:
   (:func:`prefill_variant`);
 * the window pair of a layer (:func:`window_pair`) and its fp8 cache dtype
   (:func:`fp8_cache_dtype`);
-* the per-step plan (:func:`plan_step`) and the cross-attention query split
+* the per-step plan (:func:`plan_step`, shared prefixes included, and the rule of
+  :func:`shared_prefix_pays`) and the cross-attention query split
   (:func:`split_queries_longer_than_keys`);
 * the per-layer calls (:func:`write_cache`, :func:`attend`). Callers validate their
   arguments once (impl construction, builder) and these call the native ops directly:
@@ -30,7 +31,7 @@ from pagedattn import ops, tuning
 from pagedattn.backend import AttentionType, is_quantized_kv_cache
 from pagedattn.checks import require_int
 from pagedattn.ops import kernel_shapes
-from pagedattn.ops.isa import IsaHint
+from pagedattn.ops.isa import SHARED_PREFIX_MIN_KEYS, IsaHint
 from pagedattn.ops.reference import FP8_CACHE_DTYPES
 
 
@@ -151,16 +152,33 @@ class PlanGeometry:
 
 
 def plan_step(geometry: PlanGeometry, variant: IsaHint, query_start_loc: torch.Tensor,
-              seq_lens: torch.Tensor, causal: bool, batch_invariant: bool = False) -> torch.Tensor:
+              seq_lens: torch.Tensor, causal: bool, batch_invariant: bool = False,
+              block_table: torch.Tensor | None = None, block_size: int | None = None,
+              common_prefix_len: int = 0) -> torch.Tensor:
     """The step's work partition (KV splits on, unless ``batch_invariant``: then every
     row's result is independent of its batch-mates, chunking and thread count), computed
-    once and read by every layer."""
+    once and read by every layer. With the step's ``block_table`` (and the cache's
+    ``block_size``) the plan reads prefixes that requests share in the same blocks once
+    for all of them (docs/kernels.md, "Shared prefixes"); ``common_prefix_len`` > 0 names
+    a prefix every request shares (vLLM's cascade attention) instead of finding them.
+    Batch-invariant plans never share."""
     return ops.cpu_attn_get_scheduler_metadata(
         num_reqs=seq_lens.numel(), num_heads=geometry.num_heads,
         num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, seq_lens=seq_lens,
         dtype=geometry.dtype, query_start_loc=query_start_loc, causal=causal,
         sliding_window_size=geometry.window_size, isa=variant, enable_kv_split=True,
-        batch_invariant=batch_invariant)
+        batch_invariant=batch_invariant, block_table=block_table,
+        block_size=None if block_table is None else block_size,
+        common_prefix_len=common_prefix_len)
+
+
+def shared_prefix_pays(common_prefix_len: int, query_lens, batch_invariant: bool) -> bool:
+    """Whether reading a ``common_prefix_len``-key prefix once for every request with
+    queries (``query_lens``) pays: the planner's rule (``SHARED_PREFIX_MIN_KEYS`` keys, two
+    requests at least), never in batch-invariant plans."""
+    with_queries = sum(1 for q in query_lens if int(q) > 0)
+    return (not batch_invariant and with_queries >= 2
+            and common_prefix_len >= SHARED_PREFIX_MIN_KEYS)
 
 
 def split_queries_longer_than_keys(

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from pagedattn.checks import is_int
+from pagedattn.checks import is_int, require_int
 from pagedattn.ops import _native, kernel_shapes
 from pagedattn.ops._native import metadata_numel
 from pagedattn.ops.reference import LINEAR_PANEL
@@ -209,6 +209,9 @@ def cpu_attn_get_scheduler_metadata(
     isa: str | IsaHint,
     enable_kv_split: bool,
     batch_invariant: bool = False,
+    block_table: torch.Tensor | None = None,
+    block_size: int | None = None,
+    common_prefix_len: int = 0,
 ) -> torch.Tensor:
     """Plan the work partition of one step; reuse the result for every layer of the step.
 
@@ -227,6 +230,15 @@ def cpu_attn_get_scheduler_metadata(
             else is in the batch, however a prompt is chunked and at any thread count: no
             key splits (small batches spread over groups of kv heads instead), and every
             item on the vector kernels' generic path. Needs a vector hint, not ``amx``.
+        block_table: int32 ``[num_reqs, max_blocks]``, the step's block table (optional).
+            With it the plan finds requests whose rows begin with the same block ids (a
+            shared system prompt, the samples of one prompt) and reads those keys once for
+            all of them (docs/kernels.md, "Shared prefixes"); the calls must then pass the
+            same ids for those blocks. Batch-invariant plans never share.
+        block_size: the cache's block size; given exactly when ``block_table`` is.
+        common_prefix_len: keys every request shares (vLLM's cascade ``common_prefix_len``),
+            ``0`` = find the shared prefixes in ``block_table``; needs ``block_table``, and
+            every request with queries must have those keys in the same blocks.
 
     Returns:
         Opaque int32 tensor: a header, per-request fields and the whole work partition of
@@ -236,6 +248,20 @@ def cpu_attn_get_scheduler_metadata(
         threads changed or it does not match the call's ``query_start_loc``/``seq_lens``.
     """
     hint = _parse_hint(isa)
+    require_int("common_prefix_len", common_prefix_len, 0)
+    if block_table is None:
+        if block_size is not None or common_prefix_len:
+            raise ValueError("block_size and common_prefix_len need a block_table, got "
+                             f"block_size={block_size!r}, common_prefix_len={common_prefix_len!r}")
+    else:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+        if block_size is None:
+            raise ValueError("block_table needs its block_size")
+        require_int("block_size", block_size, 1)
+        if batch_invariant and common_prefix_len:
+            raise ValueError(f"batch_invariant plans do not share prefixes, got "
+                             f"common_prefix_len={common_prefix_len}")
     if batch_invariant and hint is IsaHint.AMX:
         raise ValueError("batch_invariant plans need a vector-kernel hint (vec, vec16, neon), "
                          "got 'amx': the matrix-engine kernel's arithmetic for a row depends "
@@ -251,14 +277,16 @@ def cpu_attn_get_scheduler_metadata(
                       num_threads=torch.get_num_threads(), hint=hint.code, causal=int(causal),
                       enable_kv_split=int(enable_kv_split), q_tile_tokens=1, num_jobs=0,
                       num_merges=0, num_slots=0, slot_rows=0, max_rows=1,
-                      batch_invariant=int(batch_invariant), checksum=0)
+                      batch_invariant=int(batch_invariant), num_groups=0, num_members=0,
+                      prefix_rows=0, checksum=0)
         meta[: len(METADATA_HEADER)] = torch.tensor([header[k] for k in METADATA_HEADER])
         return meta
     return torch.ops.pagedattn.cpu_attn_get_scheduler_metadata(
         _int64("num_reqs", num_reqs), _int64("num_heads", num_heads),
         _int64("num_kv_heads", num_kv_heads), _int64("head_dim", head_dim), seq_lens, dtype,
         query_start_loc, bool(causal), int(sliding_window_size), hint.code,
-        bool(enable_kv_split), bool(batch_invariant),
+        bool(enable_kv_split), bool(batch_invariant), block_table,
+        0 if block_table is None else int(block_size), int(common_prefix_len),
     )
 
 

@@ -64,7 +64,8 @@ if AVAILABLE:
     @torch.library.register_fake("pagedattn::cpu_attn_get_scheduler_metadata")
     def _metadata_fake(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype,
                        query_start_loc, causal, sliding_window_size, isa, enable_kv_split,
-                       batch_invariant=False):
+                       batch_invariant=False, block_table=None, block_size=0,
+                       common_prefix_len=0):
         # The plan's length depends on the query lengths (data): a dynamic size.
         size = torch.library.get_ctx().new_dynamic_size(min=metadata_numel(num_reqs))
         return seq_lens.new_empty((size,), dtype=torch.int32)

@@ -32,17 +32,24 @@ ISA_HINTS: tuple[tuple[str, int], ...] = (("vec", 32), ("vec16", 16), ("neon", 1
 
 # Layout of the opaque scheduler-metadata tensor (int32): a fixed header, then
 # METADATA_FIELDS_PER_REQ ints per request, then the work partition the planner computed
-# (num_jobs jobs and num_merges merges; their layout is private to attention_ops.cpp). Its
+# (num_jobs jobs, num_merges merges, num_groups shared-prefix groups and their num_members
+# member requests; their layout is private to attention_ops.cpp). Its
 # length depends on the batch's query lengths, so the fake implementation gives it a
 # dynamic size of at least metadata_numel(num_reqs).
 METADATA_HEADER: tuple[str, ...] = (
     "magic", "version", "num_reqs", "num_heads", "num_kv_heads", "head_dim", "num_threads",
     "hint", "causal", "enable_kv_split", "q_tile_tokens", "num_jobs", "num_merges",
-    "num_slots", "slot_rows", "max_rows", "batch_invariant", "checksum",
+    "num_slots", "slot_rows", "max_rows", "batch_invariant", "num_groups", "num_members",
+    "prefix_rows", "checksum",
 )
-METADATA_FIELDS_PER_REQ: tuple[str, ...] = ("num_kv_splits", "reserved")
+# prefix_keys: the leading keys a request's own jobs skip, read by its shared-prefix group.
+METADATA_FIELDS_PER_REQ: tuple[str, ...] = ("num_kv_splits", "prefix_keys")
 METADATA_MAGIC = 0x50414D44  # "PAMD"
-METADATA_VERSION = 3  # 3: batch_invariant
+METADATA_VERSION = 4  # 3: batch_invariant; 4: shared-prefix groups
+# The planner's rule for shared prefixes (requests whose block tables begin with the same
+# blocks): a group pays from this many shared keys on (docs/performance.md, "Shared
+# prefixes"). CPU_ATTN's use_cascade_attention applies the same rule.
+SHARED_PREFIX_MIN_KEYS = 64
 
 
 def _parse(enum_cls, value):

@@ -361,6 +361,13 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             )
         return reasons
 
+    def use_cascade_attention(self, common_prefix_len: int, query_lens, *args, **kwargs) -> bool:
+        """pagedattn's rule where it serves the group (cpu_runtime.shared_prefix_pays),
+        vLLM's answer elsewhere."""
+        if not self.served_by_pagedattn:
+            return super().use_cascade_attention(common_prefix_len, query_lens, *args, **kwargs)
+        return cpu_runtime.shared_prefix_pays(common_prefix_len, query_lens, False)
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False):
         if not self.served_by_pagedattn:
@@ -389,8 +396,13 @@ class PagedAttnCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 query_start_loc, seq_lens)
         geometry = cpu_runtime.PlanGeometry(self.num_heads, self.num_kv_heads, self.head_dim,
                                             self.dtype, self.window_size)
-        scheduler_metadata = cpu_runtime.plan_step(geometry, IsaHint(self.pagedattn_isa),
-                                                   query_start_loc, seq_lens, causal)
+        # Shared prefixes (prefix caching's common blocks) are found in the block table;
+        # a cascade common_prefix_len names one for the whole batch.
+        scheduler_metadata = cpu_runtime.plan_step(
+            geometry, IsaHint(self.pagedattn_isa), query_start_loc, seq_lens, causal,
+            block_table=block_table, block_size=self.block_size,
+            common_prefix_len=0 if isinstance(self.kv_cache_spec, CrossAttentionSpec)
+            else common_prefix_len)
         return PagedAttnCPUMetadata(
             isa=self.pagedattn_isa,
             num_actual_tokens=cm.num_actual_tokens,
