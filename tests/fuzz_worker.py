@@ -26,7 +26,7 @@ import torch
 from pagedattn import ops
 from pagedattn.ops import reference as ref
 from pagedattn.backends.cpu_runtime import kernel_variant
-from pagedattn.ops.isa import IsaHint
+from pagedattn.ops.isa import METADATA_FIELDS_PER_REQ, IsaHint
 from pagedattn.testing import TOLERANCES, BatchSpec, PagedBatch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,9 +37,14 @@ SENTINEL = 7.0  # written into padding output rows; they must keep it
 
 
 def paged_batch(spec: BatchSpec, *, num_heads, num_kv_heads, head_size, block_size, dtype,
-                seed) -> PagedBatch:
+                seed, shared=()) -> PagedBatch:
     """make_paged_batch's batch (random permuted block table, block 0 reserved, unused
-    slots NaN), scattered with tensor indexing: the per-token loop dominated a fuzz case."""
+    slots NaN), scattered with tensor indexing: the per-token loop dominated a fuzz case.
+
+    ``shared``: groups ``[members, blocks]``: every member's first ``blocks`` table entries
+    are the first member's (prefix caching's shared blocks; where a member writes its own
+    keys into them, the last writer's keys are what every member reads, which the
+    reference reads the same way, through the table)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -51,13 +56,18 @@ def paged_batch(spec: BatchSpec, *, num_heads, num_kv_heads, head_size, block_si
     table = torch.zeros(len(blocks), max(blocks, default=0) + 1, dtype=torch.int32)
     shape = (num_blocks, num_kv_heads, block_size, head_size)
     key_cache, value_cache = torch.full(shape, math.nan, dtype=dtype), torch.full(shape, math.nan, dtype=dtype)
-    keys, values, slots, used = [], [], [], 0
-    for r, (seq_len, q_len) in enumerate(zip(spec.seq_lens, spec.query_lens)):
-        own = physical[used:used + blocks[r]]
+    used = 0
+    for r in range(len(blocks)):
+        table[r, :blocks[r]] = physical[used:used + blocks[r]].to(torch.int32)
         used += blocks[r]
-        table[r, :blocks[r]] = own.to(torch.int32)
+    for members, count in shared:
+        for r in members[1:]:
+            n = min(count, blocks[members[0]], blocks[r])
+            table[r, :n] = table[members[0], :n]
+    keys, values, slots = [], [], []
+    for r, (seq_len, q_len) in enumerate(zip(spec.seq_lens, spec.query_lens)):
         pos = torch.arange(seq_len)
-        blk, off = own[pos // block_size], pos % block_size
+        blk, off = table[r, pos // block_size].long(), pos % block_size
         k, v = randn(seq_len, num_kv_heads, head_size), randn(seq_len, num_kv_heads, head_size)
         key_cache[blk, :, off], value_cache[blk, :, off] = k, v
         keys.append(k)
@@ -81,7 +91,7 @@ def build(case: dict):
     spec = BatchSpec("fuzz", tuple(case["seq_lens"]), tuple(case["query_lens"]))
     batch = paged_batch(spec, num_heads=case["num_heads"], num_kv_heads=case["num_kv_heads"],
                         head_size=case["head_size"], block_size=case["block_size"], dtype=dtype,
-                        seed=case["seed"])
+                        seed=case["seed"], shared=case.get("shared", ()))
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     h = case["num_heads"]
     query = torch.cat([batch.query, torch.randn(case["pad_tokens"], h, case["head_size"],
@@ -103,6 +113,8 @@ def build(case: dict):
         query_start_loc=batch.query_start_loc, causal=case["causal"],
         sliding_window_size=window[0] + 1 if window[0] >= 0 else -1, isa=hint,
         enable_kv_split=case["kv_split"])
+    if case.get("plan_shared"):  # the plan reads the block table's shared prefixes once
+        meta_args.update(block_table=batch.block_table, block_size=case["block_size"])
     args = dict(
         query=query, key_cache=key_cache, value_cache=value_cache, output=output,
         query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, scale=case["scale"],
@@ -376,12 +388,30 @@ def m_output_overlap(m, a, b, k):
 # Benign: the op must stay right (or raise) -- the split counts are load-balancing hints.
 def m_meta_splits(m, a, b, k):
     meta = a["scheduler_metadata"].clone()
-    n = (meta.numel() - 11) // 2
+    n = a["seq_lens"].numel()
     if n == 0:
         return None
-    meta[11 + 2 * (k % n)] = [0, -5, 1, 64, 65, 1 << 30, -(1 << 31)][k % 7]
+    at = len(ops.METADATA_HEADER) + len(METADATA_FIELDS_PER_REQ) * (k % n)
+    meta[at + METADATA_FIELDS_PER_REQ.index("num_kv_splits")] = \
+        [0, -5, 1, 64, 65, 1 << 30, -(1 << 31)][k % 7]
     a["scheduler_metadata"] = meta
     return "benign"
+
+
+def m_shared_block_moved(m, a, b, k):
+    """A block table whose shared prefix differs from the one the plan shared: a member's
+    first block replaced by another block of the cache."""
+    meta = a["scheduler_metadata"]
+    base, step = len(ops.METADATA_HEADER), len(METADATA_FIELDS_PER_REQ)
+    at = METADATA_FIELDS_PER_REQ.index("prefix_keys")
+    members = [r for r in range(a["seq_lens"].numel()) if int(meta[base + r * step + at]) > 0]
+    if not members:
+        return None
+    r = members[k % len(members)]
+    table = a["block_table"].clone()
+    table[r, 0] = (int(table[r, 0]) + 1 + k % 5) % a["key_cache"].shape[0]
+    a["block_table"] = table
+    return r"differs from block_table"
 
 
 def m_meta_plan_word(m, a, b, k):
@@ -413,7 +443,7 @@ ATTENTION_MUTATIONS = {f.__name__[2:]: f for f in [
     m_qsl_past_tokens, m_qsl_length, m_index_dtype, m_alibi, m_sinks, m_window, m_softcap,
     m_scale, m_meta_none, m_tensor_none, m_meta_magic, m_meta_length, m_meta_field,
     m_meta_dtype, m_output_shape, m_output_overlap, m_meta_splits, m_meta_plan_word,
-    m_meta_stale]}
+    m_meta_stale, m_shared_block_moved]}
 
 # Mutations of the scheduler-metadata op's own arguments.
 METADATA_MUTATIONS = {
@@ -493,7 +523,7 @@ def check_output(batch, args) -> dict:
 
 def run_cache(case: dict) -> dict:
     """reshape_and_cache: valid calls equal the reference; mutated ones raise."""
-    batch, _, _ = build(case)
+    batch, _, _ = build({**case, "shared": ()})  # shared slots would be written twice
     hint = kernel_variant()
     k = case["k"]
     cache_dtype = FP8_CACHE_DTYPES.get(case.get("kv_cache_dtype", "auto"), batch.key_cache.dtype)

@@ -162,12 +162,29 @@ def batches(draw):
 
 
 @st.composite
+def shared_prefixes(draw, seq_lens, block_size):
+    """Groups of requests whose block tables begin with the same blocks (prefix caching):
+    ``[[members], blocks]``, a request in one group at most; blocks may reach into a
+    member's new tokens or past its length (the planner must cap what it shares)."""
+    free = [r for r, s in enumerate(seq_lens) if s > 0]
+    groups = []
+    while len(free) >= 2 and draw(st.booleans()):
+        members = draw(st.lists(st.sampled_from(free), min_size=2, max_size=len(free),
+                                unique=True))
+        most = max(1, min(-(-seq_lens[r] // block_size) for r in members))
+        groups.append([members, draw(st.integers(1, most))])
+        free = [r for r in free if r not in members]
+    return groups
+
+
+@st.composite
 def attention_cases(draw, kind="attention_valid", mutation=None):
     seq_lens, query_lens = draw(batches())
     kv = draw(st.sampled_from([1, 2, 4]))
     group = draw(st.sampled_from([1, 2, 3, 4, 8]))
     head_size = draw(st.sampled_from(HEAD_SIZES))
     big_window = draw(st.sampled_from([2 ** 31, 2 ** 40, 2 ** 63 - 1]))
+    block_size = draw(st.sampled_from(BLOCK_SIZES))
     return dict(
         kind=kind, mutation=mutation, k=draw(st.integers(0, 10 ** 6)),
         seed=draw(st.integers(0, 2 ** 31 - 1)),
@@ -175,7 +192,8 @@ def attention_cases(draw, kind="attention_valid", mutation=None):
         kv_cache_dtype=draw(st.sampled_from(KV_CACHE_DTYPES)),
         k_scale=draw(st.sampled_from([1.0, 0.05, 3.0])),
         v_scale=draw(st.sampled_from([1.0, 0.05, 3.0])),
-        head_size=head_size, block_size=draw(st.sampled_from(BLOCK_SIZES)),
+        head_size=head_size, block_size=block_size,
+        shared=draw(shared_prefixes(seq_lens, block_size)), plan_shared=draw(st.booleans()),
         num_kv_heads=kv, num_heads=kv * group, seq_lens=seq_lens, query_lens=query_lens,
         pad_tokens=draw(st.integers(0, 3)), causal=draw(st.booleans()),
         window=[draw(st.sampled_from([-1, -1, 0, 1, 7, 40, 300, big_window])),

@@ -266,9 +266,12 @@ class PagedattnContender(Contender):
                                                k_scale=s.kv_scale, v_scale=s.kv_scale)
             return Prepared(run, cache_rows=lambda c: natural_cache_rows(inputs, kc, vc, c),
                             poison=lambda c: poison_slots(inputs, kc, vc, c), note=note)
+        # Planned with the block table, as the engine plans: shared prefixes are read once.
+        # Every copy's tables share the same requests' blocks, so one plan serves them all.
         metadata = ops.cpu_attn_get_scheduler_metadata(
             s.batch, s.num_heads, s.num_kv_heads, s.head_size, inputs.seq_lens, s.torch_dtype,
-            inputs.query_start_loc, s.causal, -1, isa, True)
+            inputs.query_start_loc, s.causal, -1, isa, True,
+            block_table=inputs.block_tables[0], block_size=s.block_size)
         out = torch.empty_like(inputs.query)
 
         def run(copy: int) -> torch.Tensor:

@@ -43,6 +43,11 @@ class Scenario:
     ``seq_lens[r]`` is request ``r``'s total KV length (prior context + new tokens),
     ``query_lens[r]`` its new tokens. For ``reshape_and_cache`` the request lengths give the
     tokens written (``query_lens``) and only the cache geometry matters for attention heads.
+
+    ``shared_prefix`` > 0: the batch splits into ``shared_groups`` equal groups of
+    consecutive requests, and each group's requests hold their first ``shared_prefix`` keys
+    in the same blocks (prefix caching's shared system prompt, or the samples of one
+    prompt): their block tables begin with the same block ids.
     """
 
     name: str
@@ -56,6 +61,8 @@ class Scenario:
     block_size: int = 32
     causal: bool = True
     kv_dtype: str = "auto"
+    shared_prefix: int = 0
+    shared_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
@@ -85,6 +92,16 @@ class Scenario:
                 f"scenario {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.shared_prefix:
+            if self.shared_prefix < 0 or self.shared_prefix % self.block_size:
+                raise ValueError(f"scenario {self.name!r}: shared_prefix ({self.shared_prefix}) "
+                                 f"must be a multiple of block_size ({self.block_size})")
+            if self.shared_groups < 1 or self.batch % self.shared_groups:
+                raise ValueError(f"scenario {self.name!r}: shared_groups ({self.shared_groups}) "
+                                 f"must divide the batch ({self.batch})")
+            if any(s - q < self.shared_prefix for s, q in zip(self.seq_lens, self.query_lens)):
+                raise ValueError(f"scenario {self.name!r}: shared_prefix ({self.shared_prefix}) "
+                                 "must fit in every request's context before its new tokens")
 
     # ------------------------------------------------------------------ descriptions
     @property
@@ -119,6 +136,9 @@ class Scenario:
         parts = []
         for s, q in dict.fromkeys(zip(self.seq_lens, self.query_lens)):
             parts.append(str(s) if q == 1 or q == s else f"{s - q}+{q}")
+        if self.shared_prefix:  # ``2176/2048sh`` (x4: four groups)
+            groups = f"x{self.shared_groups}" if self.shared_groups > 1 else ""
+            return ",".join(parts) + f"/{self.shared_prefix}sh{groups}"
         return ",".join(parts)
 
     @property
@@ -150,6 +170,8 @@ class Scenario:
             "block_size": self.block_size,
             "causal": self.causal,
             "kv_dtype": self.kv_dtype,
+            "shared_prefix": self.shared_prefix,
+            "shared_groups": self.shared_groups,
             "bytes": self.bytes_moved(),
             "flops": self.flops(),
         }
@@ -160,12 +182,17 @@ class Scenario:
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     def kv_bytes(self) -> int:
-        """Bytes of K and V one call must read (attention) or write (reshape_and_cache)."""
+        """Bytes of K and V one call must read (attention: a shared prefix once per group)
+        or write (reshape_and_cache)."""
         cache_element = torch.empty((), dtype=self.cache_torch_dtype).element_size()
         row = self.num_kv_heads * self.head_size * cache_element * 2  # K and V
         if self.kind == "reshape_and_cache":
             return self.num_tokens * row
-        return sum(self.seq_lens) * row
+        return self.kv_tokens() * row
+
+    def kv_tokens(self) -> int:
+        """Distinct cached tokens of the batch: a shared prefix counts once per group."""
+        return sum(self.seq_lens) - (self.batch - self.shared_groups) * self.shared_prefix
 
     def bytes_moved(self) -> int:
         """Compulsory DRAM traffic of one call.
@@ -206,6 +233,15 @@ def _decode(batch: int, ctx: int, kv_dtype: str = "auto", *, heads: tuple[int, i
     return with_kv_dtype(Scenario(f"decode-b{batch}-c{ctx}{geom}", "decode", (ctx,) * batch,
                                   (1,) * batch, num_heads=nh, num_kv_heads=nkv,
                                   head_size=head_size), kv_dtype)
+
+
+def _shared_decode(batch: int, shared: int, own: int, groups: int = 1) -> Scenario:
+    """A decode row whose requests hold their first ``shared`` keys in the same blocks
+    (``groups`` groups of them, each its own prefix) and ``own`` keys each of their own:
+    ``decode-b32-c2176-shared2048`` (one group), ``...-shared2048x4`` (four)."""
+    tag = f"-shared{shared}" + (f"x{groups}" if groups > 1 else "")
+    return Scenario(f"decode-b{batch}-c{shared + own}{tag}", "decode", (shared + own,) * batch,
+                    (1,) * batch, shared_prefix=shared, shared_groups=groups)
 
 
 def with_kv_dtype(s: Scenario, kv_dtype: str) -> Scenario:
@@ -251,14 +287,25 @@ def default_suite() -> list[Scenario]:
     for heads, hs in _GEOMETRIES:
         decode += _with_fp8([_decode(1, 8192, heads=heads, head_size=hs),
                              _decode(8, 2048, heads=heads, head_size=hs)])
-    return [*decode, _prefill(1, 2048), _prefill(4, 512), _MIXED, _RESHAPE]
+    return [*decode, *shared_prefix_rows(), _prefill(1, 2048), _prefill(4, 512), _MIXED,
+            _RESHAPE]
+
+
+def shared_prefix_rows() -> list[Scenario]:
+    """Decodes behind shared prefixes, each beside the same lengths unshared: 32 requests
+    behind one 2048-token system prompt (and four prompts of 8), the 8 samples of one
+    prompt (``n`` = 8)."""
+    return [_decode(32, 2176), _shared_decode(32, 2048, 128),
+            _shared_decode(32, 2048, 128, groups=4), _decode(8, 2176),
+            _shared_decode(8, 2048, 128)]
 
 
 def quick_suite() -> list[Scenario]:
     """A representative subset for ``--quick`` (under two minutes on 2 cores): one fp8
     decode beside its bf16 row and one 32k context among the decodes."""
     return [_decode(1, 8192), _decode(1, 8192, "fp8"), _decode(8, 2048), _decode(32, 2048),
-            _decode(1, 32768), _prefill(4, 512), _MIXED, _RESHAPE]
+            _decode(1, 32768), _shared_decode(32, 2048, 128), _prefill(4, 512), _MIXED,
+            _RESHAPE]
 
 
 def tiny_suite() -> list[Scenario]:
@@ -266,6 +313,8 @@ def tiny_suite() -> list[Scenario]:
     small = dict(num_heads=4, num_kv_heads=2, head_size=32, block_size=16)
     return [
         Scenario("decode-b2-c100", "decode", (100, 37), (1, 1), **small),
+        Scenario("decode-b3-c100-shared64", "decode", (100, 100, 100), (1, 1, 1),
+                 shared_prefix=64, **small),
         Scenario("prefill-b1-c48", "prefill", (48,), (48,), **small),
         Scenario("mixed-2d64-p16c32", "mixed", (64, 64, 48), (1, 1, 16), **small),
         Scenario("reshape_and_cache-96", "reshape_and_cache", (96,), (96,), **small),
@@ -434,8 +483,10 @@ def build_inputs(scenario: Scenario, copies: int, *, seed: int = 0) -> ScenarioI
     gen = torch.Generator().manual_seed(seed)
     s = scenario
     bs = s.block_size
-    blocks_per_req = [paging.cdiv(n, bs) for n in s.seq_lens]
-    per_copy = sum(blocks_per_req)
+    shared_blocks = s.shared_prefix // bs
+    # A group's shared blocks once, then each request's own.
+    blocks_per_req = [paging.cdiv(n, bs) - shared_blocks for n in s.seq_lens]
+    per_copy = sum(blocks_per_req) + s.shared_groups * shared_blocks
     num_blocks = 1 + per_copy * copies  # block 0 reserved
     shape = (2, num_blocks, s.num_kv_heads, bs, s.head_size)
     kv_cache = _random_fill(shape, s.torch_dtype, gen,
@@ -446,11 +497,18 @@ def build_inputs(scenario: Scenario, copies: int, *, seed: int = 0) -> ScenarioI
     physical = torch.cat([torch.randperm(per_copy, generator=gen) + 1 + c * per_copy
                           for c in range(copies)]).tolist()
     block_tables = []
+    group_size = s.batch // s.shared_groups
     for c in range(copies):
-        # Copy c's requests take consecutive runs of its shuffled region.
-        runs = paging.contiguous_block_tables(s.seq_lens, bs, first_block=c * per_copy)
-        block_tables.append(paging.pad_block_tables(
-            [[physical[i] for i in run] for run in runs]))
+        # Copy c's requests take consecutive runs of its shuffled region, each group's
+        # shared blocks first.
+        at = c * per_copy
+        tables = []
+        for r in range(s.batch):
+            if r % group_size == 0:
+                prefix, at = physical[at:at + shared_blocks], at + shared_blocks
+            tables.append(prefix + physical[at:at + blocks_per_req[r]])
+            at += blocks_per_req[r]
+        block_tables.append(paging.pad_block_tables(tables))
 
     query_start_loc = paging.query_start_loc(s.query_lens)
     inputs = ScenarioInputs(
