@@ -123,6 +123,37 @@ def test_flop_and_byte_counts_follow_the_mask():
     assert w.flops() == 0 and w.bytes_moved() == 2 * 96 * 2 * 32 * 2 * 2
 
 
+def test_shared_prefix_rows_share_blocks_and_count_them_once():
+    """A shared-prefix row's groups begin with the same blocks in every copy (and no block
+    is shared across groups or copies), and its roofline counts the prefix once a group."""
+    s = Scenario("sh", "decode", (100,) * 6, (1,) * 6, num_heads=4, num_kv_heads=2,
+                 head_size=32, block_size=16, shared_prefix=64, shared_groups=2)
+    row = 2 * 32 * 2 * 2
+    assert s.kv_bytes() == (6 * 100 - 4 * 64) * row
+    inputs = build_inputs(s, 3)
+    seen = set()
+    for table in inputs.block_tables:
+        for g in range(2):
+            rows = table[3 * g: 3 * g + 3]
+            assert (rows[:, :4] == rows[0, :4]).all()
+            assert not (rows[:, 4] == rows[0, 4]).all()
+            prefix = set(rows[0, :4].tolist())
+            assert not prefix & seen
+            seen |= prefix
+    # pagedattn's contender plans with the tables (one plan for every copy): each copy's
+    # result is the reference's.
+    ours = contenders_mod.PagedattnContender().prepare(inputs)
+    theirs = contenders_mod.ReferenceContender().prepare(inputs)
+    for c in range(3):
+        torch.testing.assert_close(ours.run(c).float(), theirs.run(c).float(), atol=2e-2,
+                                   rtol=2e-2)
+    for bad, pattern in ((dict(shared_prefix=40), "multiple of block_size"),
+                         (dict(shared_prefix=64, shared_groups=4), "must divide the batch"),
+                         (dict(shared_prefix=112), "must fit")):
+        with pytest.raises(ValueError, match=pattern):
+            Scenario("bad", "decode", (100,) * 6, (1,) * 6, block_size=16, **bad)
+
+
 class _Limits:
     """A machine of 20 GB/s DRAM read and 100 GFLOP/s in every dtype."""
     dram_read_gbps = 20.0
@@ -569,7 +600,7 @@ def test_decode_rotation_keeps_every_kv_read_out_of_the_llc(llc):
     """Between two reads of any KV byte -- by a call or by the stream -- at least 2x the
     LLC of other bytes are read, for every decode row of the bench (a 64-copy cap once left
     the small ones LLC-resident on a 480 MiB LLC)."""
-    assert len(DECODES) == 31  # 17 bf16 rows and 14 fp8 ones
+    assert len(DECODES) == 36  # 22 bf16 rows (5 behind shared prefixes) and 14 fp8 ones
     for s in DECODES.values():
         copies = copies_for(s, llc)
         kernel_gap, stream_gap = reuse_gaps(copies, s.kv_bytes())

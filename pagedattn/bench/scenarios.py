@@ -313,8 +313,6 @@ def tiny_suite() -> list[Scenario]:
     small = dict(num_heads=4, num_kv_heads=2, head_size=32, block_size=16)
     return [
         Scenario("decode-b2-c100", "decode", (100, 37), (1, 1), **small),
-        Scenario("decode-b3-c100-shared64", "decode", (100, 100, 100), (1, 1, 1),
-                 shared_prefix=64, **small),
         Scenario("prefill-b1-c48", "prefill", (48,), (48,), **small),
         Scenario("mixed-2d64-p16c32", "mixed", (64, 64, 48), (1, 1, 16), **small),
         Scenario("reshape_and_cache-96", "reshape_and_cache", (96,), (96,), **small),
