@@ -1,4 +1,5 @@
-"""Engine unit tests: block pool, prefix cache, scheduler, input batch (no model)."""
+"""Engine unit tests: block pool, prefix cache, scheduler, input batch (no model), and the
+shared-prefix admission rule on SmolLM2 (its outputs against requests run one by one)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import random
 
 import pytest
 
+from builtin_models import needs_smollm2
+
+from pagedattn import LLM
 from pagedattn.engine.block_pool import BlockPool, KVCacheManager
 from pagedattn.engine.input_batch import InputBatch
 from pagedattn.engine.request import FinishReason, Request, RequestStatus, new_sequences
@@ -337,3 +341,116 @@ def test_a_sequence_whose_sequence_0_ended_first_computes_its_prompt():
     while sched.has_unfinished():
         _step(sched)
     assert len(child.output_token_ids) == 2 and kv.pool.num_free_blocks == 32
+
+
+# ---------------------------------------------------------------------- shared prefixes
+
+
+@pytest.mark.parametrize("budget", [64, 5], ids=["one-step-prefill", "chunked-prefill"])
+def test_requests_sharing_a_prefix_wait_for_it_and_take_it_as_hits(budget):
+    """Four requests with a 12-token (3-block) common prefix arrive together: the first
+    computes the prefix, the others wait until its blocks are cached and then share
+    them; an unrelated request that arrives after them is not held up."""
+    bs = 4
+    kv = KVCacheManager(num_blocks=64, block_size=bs)
+    sched = Scheduler(kv, max_num_batched_tokens=budget, max_model_len=64)
+    prefix = list(range(100, 112))
+    reqs = [_req(i, prefix + [i, i + 50], max_tokens=10) for i in range(4)]
+    other = _req(9, [7] * 14, max_tokens=3)
+    for r in reqs + [other]:
+        sched.add_request(r)
+    out = sched.schedule()
+    assert "r1" not in out.num_scheduled_tokens  # held: r0 computes its prefix now
+    if budget == 64:
+        assert set(out.num_scheduled_tokens) == {"r0", "r9"}  # the unrelated one runs
+    sched.update(out, {})
+    while any(r.status is RequestStatus.WAITING for r in reqs):
+        _step(sched)
+    # each waiter was admitted once the whole prefix was cached, and took it as hits
+    assert [r.num_prefix_hit_tokens for r in reqs] == [0, 12, 12, 12]
+    assert all(r.status is RequestStatus.RUNNING for r in reqs)
+    shared = reqs[0].block_ids[:3]
+    assert all(r.block_ids[:3] == shared for r in reqs)
+    assert all(kv.pool.ref_cnt[b] == 4 for b in shared)
+    while sched.has_unfinished():
+        _step(sched)
+    assert kv.pool.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("how", ["abort", "preempt"])
+def test_a_waiter_is_not_held_by_a_request_that_stopped_computing_its_prefix(how):
+    """r0 computes a 12-token prefix in 5-token chunks; r1 shares it and waits. Aborted
+    after its first chunk, r0 holds r1 no more: r1 runs next, with the block r0 cached.
+    Preempted, r0 goes back to the queue's head and computes the prefix again, r1 waits
+    for it again and still takes the whole prefix as hits: no stall either way."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_batched_tokens=5, max_model_len=64)
+    first, waiter = _req(0, list(range(12)) + [1, 2]), _req(1, list(range(12)) + [3, 4])
+    sched.add_request(first)
+    sched.add_request(waiter)
+    assert list(_step(sched).num_scheduled_tokens) == ["r0"]
+    if how == "abort":
+        sched.abort_request("r0")
+        out = _step(sched)
+        assert out.num_scheduled_tokens == {"r1": 5} and waiter.num_prefix_hit_tokens == 4
+    else:
+        out = sched.schedule()
+        sched._preempt_newest(out)
+        sched.update(out, {})
+        assert first.status is RequestStatus.WAITING
+        for _ in range(50):
+            if waiter.status is RequestStatus.RUNNING:
+                break
+            assert "r1" not in _step(sched).num_scheduled_tokens or first.num_cached_blocks == 3
+        assert waiter.num_prefix_hit_tokens == 12
+    for _ in range(50):
+        if not sched.has_unfinished():
+            break
+        _step(sched)
+    assert waiter.is_finished and kv.pool.num_free_blocks == 64
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM(model="smollm2", batch_invariant=True, max_model_len=256,
+               kv_cache_memory="12MiB")
+
+
+@needs_smollm2
+@pytest.mark.parametrize("count", [2, 4])
+def test_a_burst_with_one_system_prompt_computes_it_once(smollm2, count):
+    """``count`` chats with one ~110-token system prompt, submitted together: the first
+    computes it, the others wait one step and take its blocks as prefix hits; the answers
+    are those of the same chats run one by one afterwards (greedy, batch-invariant
+    engine: the same tokens however a prompt's KV was computed)."""
+    engine = smollm2.engine
+    pool = engine.kv.pool
+    system = (f"You are a careful assistant for bakery number {count}. You answer questions "
+              "about bread, opening hours, prices and allergies in one or two short "
+              "sentences, and you never invent products the bakery does not sell. The "
+              "bakery opens at seven, closes at six, bakes sourdough, rye and spelt loaves, "
+              "croissants and fruit tarts, and marks every allergen on its price labels.")
+    questions = ["Do you sell rye bread?", "When do you open?", "Is there gluten-free cake?",
+                 "How much is a baguette?"][:count]
+    prompts = [engine.inputs.chat([{"role": "system", "content": system},
+                                   {"role": "user", "content": q}]) for q in questions]
+    common = 0
+    while all(p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    full = common // engine.kv.block_size
+    assert full >= 5
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    reqs = [engine.add_request(p, sp) for p in prompts]
+    engine.step()
+    assert [r.status for r in reqs] == [RequestStatus.RUNNING] + [RequestStatus.WAITING] * (count - 1)
+    engine.step()
+    assert all(r.status is RequestStatus.RUNNING for r in reqs)
+    assert all(r.block_ids[:full] == reqs[0].block_ids[:full] for r in reqs)
+    assert all(pool.ref_cnt[b] == count for b in reqs[0].block_ids[:full])
+    assert reqs[0].num_prefix_hit_tokens == 0
+    assert all(r.num_prefix_hit_tokens == full * engine.kv.block_size for r in reqs[1:])
+    while engine.has_unfinished():
+        engine.step()
+    assert pool.num_free_blocks == pool.num_blocks
+    assert [r.output_token_ids for r in reqs] == \
+        [smollm2.generate(p, sp)[0].token_ids for p in prompts]

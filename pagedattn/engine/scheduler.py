@@ -19,15 +19,24 @@ When the pool runs out of blocks, the most recently admitted running request is
 preempted: its blocks are freed and it goes back to the head of the queue, to be
 recomputed (prefix-cache hits make that cheap); it is admitted next under both policies.
 
-**Sequences of one request** (``SamplingParams.n > 1``) compute the prompt once. Sequence 0
-computes it but its last token; sequences 1..n-1 wait until it has (``_waits``: a sequence
-held back keeps its place in the queue while the requests after it may be admitted), then
-fork from it (``KVCacheManager.fork``: its full blocks shared, its partly filled block
-copied on write, ``SchedulerOutput.block_copies``) and each computes the last prompt token
-itself, for logits of its own. Sequence 0 computes that token in the same step where
-there is room, so all ``n`` usually sample their first token together. If sequence 0 ends
-before a sequence forked (aborted, failed), that one computes its prompt as any request;
-if it is preempted, they wait until it has recomputed the prompt.
+Two rules keep a prompt's KV computed once (``_waits``); a request they hold back keeps
+its place in the queue while the requests after it may be admitted:
+
+* **Sequences of one request** (``SamplingParams.n > 1``). Sequence 0 computes the prompt
+  but its last token; sequences 1..n-1 wait until it has, then fork from it
+  (``KVCacheManager.fork``: its full blocks shared, its partly filled block copied on
+  write, ``SchedulerOutput.block_copies``) and each computes the last prompt token
+  itself, for logits of its own. Sequence 0 computes that token in the same step where
+  there is room, so all ``n`` usually sample their first token together. If sequence 0
+  ends before a sequence forked (aborted, failed), that one computes its prompt as any
+  request; if it is preempted, they wait until it has recomputed the prompt.
+* **Requests that share a prefix.** With prefix caching, a waiting request whose next
+  full prompt blocks a running request is computing right now (the same digests,
+  allocated and not yet cached) waits until they are cached, then takes them as prefix
+  hits instead of computing them alongside: a burst of requests with one system prompt
+  computes it once. The wait lasts while that request computes them: it ends when the
+  blocks are cached, or at once if the request is preempted (it then computes them
+  again first, being at the queue's head) or ends.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedattn.checks import require_choice, require_int
-from pagedattn.engine.block_pool import KVCacheManager
+from pagedattn.engine.block_pool import BlockHash, KVCacheManager
 from pagedattn.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -139,11 +148,11 @@ class Scheduler:
         out.preempted.append(victim.req_id)
         return victim
 
-    def _next_waiting(self) -> Request | None:
+    def _next_waiting(self, computing: dict[int, set[BlockHash]]) -> Request | None:
         """The waiting request the policy admits next (the queue is in arrival order,
         preempted requests at its head), passing over those that wait for KV being
         computed (:meth:`_waits`); ``None`` if all of them do."""
-        ready = (r for r in self.waiting if not self._waits(r))
+        ready = (r for r in self.waiting if not self._waits(r, computing))
         if self.policy == "fcfs":
             return next(ready, None)
         ready = list(ready)
@@ -158,13 +167,37 @@ class Scheduler:
         fork (it takes the rest from sequence 0)."""
         return 1 if req.parent is not None else req.num_tokens - req.num_computed_tokens
 
-    @staticmethod
-    def _waits(req: Request) -> bool:
+    def _waits(self, req: Request, computing: dict[int, set[BlockHash]]) -> bool:
         """Whether waiting ``req`` should not be admitted yet, because KV it would compute
-        is being computed by a running request (module docstring)."""
+        is being computed by a running request (the module docstring's two rules)."""
         parent = req.parent
-        return parent is not None and (parent.status is not RequestStatus.RUNNING
-                                       or parent.num_computed_tokens < req.num_prompt_tokens - 1)
+        if parent is not None:
+            return parent.status is not RequestStatus.RUNNING \
+                or parent.num_computed_tokens < req.num_prompt_tokens - 1
+        if not computing or req.num_computed_tokens:
+            return False
+        hashes = self.kv.block_hashes(req)
+        usable = min(len(hashes), self.kv.max_hit_blocks(req))
+        return any(i < usable and hashes[i] in digests for i, digests in computing.items())
+
+    def _computing(self) -> dict[int, set[BlockHash]]:
+        """Full blocks that running requests are computing (allocated, their digest known,
+        in no cache entry), by block index: each request's first such block. Digests
+        chain a block to its whole prefix, so a request that shares any later one of
+        these blocks shares the first too."""
+        computing: dict[int, set[BlockHash]] = {}
+        if self.kv.pool.enable_prefix_caching:
+            for req in self.running:
+                self._note_computing(req, computing)
+        return computing
+
+    def _note_computing(self, req: Request, computing: dict[int, set[BlockHash]]) -> None:
+        cached = self.kv.pool.cached
+        for i in range(req.num_cached_blocks, min(len(req.block_ids), len(req.block_hashes))):
+            digest = req.block_hashes[i]
+            if digest not in cached:  # (one that is would be a hit for the waiter)
+                computing.setdefault(i, set()).add(digest)
+                return
 
     def _end(self, req: Request, computed: int) -> int:
         """Where this step's tokens of ``req`` end, ``computed`` being done: all its known
@@ -206,9 +239,10 @@ class Scheduler:
             budget -= num_new
 
         budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
+        computing = self._computing() if self.waiting else {}
         while self.waiting and budget > 0 and not out.preempted \
                 and len(self.running) < self.max_num_seqs:
-            req = self._next_waiting()
+            req = self._next_waiting(computing)
             if req is None:
                 break
             if req.parent is not None:
@@ -225,6 +259,8 @@ class Scheduler:
                         raise RuntimeError(  # unreachable given the start-up check
                             f"request {req.req_id!r} does not fit in an empty pool")
                     break
+                if self.kv.pool.enable_prefix_caching:
+                    self._note_computing(req, computing)
             self._admit(req)
             out.num_scheduled_tokens[req.req_id] = num_new
             out.requests[req.req_id] = req
