@@ -1,5 +1,8 @@
 """The sampler's per-request rules (min_tokens, repetition_penalty, logprobs) and the
-validation of the SamplingParams fields that carry them; no model needed."""
+validation of the SamplingParams fields that carry them (no model needed); ``n`` > 1 on
+SmolLM2: n completions of one prompt computed once (shared blocks, copy on write of the
+last one), their seed streams, their blocks freed at the end, on abort, under
+preemption."""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ import math
 import pytest
 import torch
 
-from pagedattn import ops
-from pagedattn.engine.request import Request
+from builtin_models import needs_smollm2
+
+from pagedattn import LLM, ops
+from pagedattn.engine.request import FinishReason, Request
 from pagedattn.ops import reference
 from pagedattn.engine.sampler import ARGMAX_CHUNK, apply_logits_processors, argmax_rows, sample
 from pagedattn.engine.sampling_params import SamplingParams
@@ -84,6 +89,13 @@ def test_logprobs_only_for_requests_that_ask():
     (dict(stop_token_ids=[5, -1]), "stop_token_ids must be a list of ints >= 0, got -1"),
     (dict(stop_token_ids=[True]), "stop_token_ids must be a list of ints >= 0, got True"),
     (dict(logprobs=-1), "logprobs must be None or an int >= 0, got -1"),
+    (dict(n=0), "n must be an int >= 1, got 0"),
+    (dict(n=-3), "n must be an int >= 1, got -3"),
+    (dict(n=1.5), "n must be an int >= 1, got 1.5"),
+    (dict(n=2.0), "n must be an int >= 1, got 2.0"),
+    (dict(n=True), "n must be an int >= 1, got True"),
+    (dict(n="2"), "n must be an int >= 1, got '2'"),
+    (dict(n=None), "n must be an int >= 1, got None"),
 ])
 def test_bad_values_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -211,3 +223,106 @@ def test_a_row_with_no_drawable_token_fails_with_a_reason():
     out = sample(logits, [req], [torch.Generator().manual_seed(0)])
     assert out.tokens == [None]
     assert "no token can be drawn" in req.failure
+
+
+# ---------------------------------------------------------------------- n > 1 on SmolLM2
+
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """Batch-invariant, so a sequence's tokens do not depend on what it shares a step with
+    or on how its prompt was split (its fork, the prefix cache, preemption); a pool of 17
+    blocks of 16 tokens (6 MiB), small enough to preempt four 100-token sequences."""
+    return LLM(model="smollm2", batch_invariant=True, max_model_len=256,
+               kv_cache_memory="6MiB")
+
+
+def _prompt(llm, length: int) -> list[int]:
+    ids = llm.engine.inputs.encode("Once upon a time, in a land far away, there lived " * 8)
+    return ids[:length]
+
+
+def _idle(engine) -> bool:
+    pool = engine.kv.pool
+    return (pool.num_free_blocks == pool.num_blocks and not engine.has_unfinished()
+            and all(c == 0 for c in pool.ref_cnt))
+
+
+@needs_smollm2
+@pytest.mark.parametrize("length", [40, 33, 1], ids=["partial-block", "block-boundary",
+                                                      "one-token"])
+def test_n_greedy_answers_are_the_n1_answer(smollm2, length):
+    """40 tokens: the forks copy sequence 0's block of tokens 32-38 (without the copy
+    their attention would read another block's KV); 33: no partly filled block."""
+    ids = _prompt(smollm2, length)
+    one = smollm2.generate(ids, SamplingParams(temperature=0, max_tokens=NEW))[0]
+    out = smollm2.generate(ids, SamplingParams(temperature=0, max_tokens=NEW, n=4))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    for c in out.outputs:
+        assert (c.token_ids, c.text, c.finish_reason) == (one.token_ids, one.text,
+                                                           one.finish_reason)
+    assert (out.text, out.token_ids) == (one.text, one.token_ids)  # n == 1's shape: choice 0
+    assert _idle(smollm2.engine)
+
+
+@needs_smollm2
+def test_n_seeded_answers_repeat_and_differ_from_each_other(smollm2):
+    ids = _prompt(smollm2, 12)
+    sp = SamplingParams(temperature=1.0, max_tokens=10, n=4, seed=1234)
+    first, again = (smollm2.generate(ids, sp)[0] for _ in range(2))
+    answers = [c.token_ids for c in first.outputs]
+    assert answers == [c.token_ids for c in again.outputs]
+    assert len(set(map(tuple, answers))) > 1, "the n sequences sampled one stream"
+    # sequence 0 samples with the request's seed, as a request with n == 1 does
+    alone = smollm2.generate(ids, SamplingParams(temperature=1.0, max_tokens=10, seed=1234))[0]
+    assert answers[0] == alone.token_ids
+    # a neighbouring seed shares no sequence with this one
+    other = smollm2.generate(ids, SamplingParams(temperature=1.0, max_tokens=10, n=4,
+                                                 seed=1235))[0]
+    assert not {tuple(c.token_ids) for c in other.outputs} & set(map(tuple, answers))
+    unseeded = smollm2.generate(ids, SamplingParams(temperature=1.0, max_tokens=10, n=4))[0]
+    assert len({tuple(c.token_ids) for c in unseeded.outputs}) > 1
+
+
+@needs_smollm2
+@pytest.mark.parametrize("end", ["finish", "abort"])
+def test_n_sequences_share_the_prompt_blocks_and_free_them(smollm2, end):
+    engine = smollm2.engine
+    pool = engine.kv.pool
+    ids = _prompt(smollm2, 40)  # blocks 0-1 full, tokens 32-38 in block 2, 39 computed by each
+    req = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=NEW, n=3,
+                                                 ignore_eos=True))
+    seqs = req.group
+    while not all(s.output_token_ids for s in seqs):
+        engine.step()
+    shared = seqs[0].block_ids[:2]
+    assert all(s.block_ids[:2] == shared for s in seqs)
+    assert [pool.ref_cnt[b] for b in shared] == [3, 3]
+    own = [s.block_ids[2] for s in seqs]
+    assert len(set(own)) == 3 and all(pool.ref_cnt[b] == 1 for b in own)
+    assert pool.num_blocks - pool.num_free_blocks == 5
+    if end == "abort":
+        assert engine.abort(req.request_id)
+        assert [s.finish_reason for s in seqs] == [FinishReason.ABORT] * 3
+    while engine.has_unfinished():
+        engine.step()
+    assert _idle(engine)
+    # freed, the prompt's full blocks stay findable in the prefix cache
+    assert all(pool.cached.get(h) == b for h, b in zip(seqs[0].block_hashes, shared))
+
+
+@needs_smollm2
+def test_n_sequences_survive_preemption(smollm2):
+    """Four 40 + 60-token sequences need 2 shared + 4 x 5 blocks; the pool has 17, so
+    forked sequences are preempted and recompute: their answers stay the greedy one."""
+    engine = smollm2.engine
+    ids = _prompt(smollm2, 40)
+    sp = dict(temperature=0, max_tokens=60, ignore_eos=True)
+    one = smollm2.generate(ids, SamplingParams(**sp))[0]
+    before = engine.scheduler.num_preemptions
+    out = smollm2.generate(ids, SamplingParams(**sp, n=4))[0]
+    assert engine.scheduler.num_preemptions > before
+    assert [c.token_ids for c in out.outputs] == [one.token_ids] * 4
+    assert _idle(engine)

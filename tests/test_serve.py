@@ -126,6 +126,64 @@ def test_logprobs(oai, ref):
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
 
 
+def _choices(got, chat: bool, stream: bool, n: int) -> tuple[dict[int, str], dict[int, str], object]:
+    """``({index: text}, {index: finish reason}, usage)`` of a whole or streamed answer."""
+    if not stream:
+        assert [c.index for c in got.choices] == list(range(n))
+        texts = {c.index: c.message.content if chat else c.text for c in got.choices}
+        return texts, {c.index: c.finish_reason for c in got.choices}, got.usage
+    texts, finishes, usage, roles = {}, {}, None, []
+    for chunk in got:
+        if chunk.usage is not None:
+            assert not chunk.choices and usage is None and len(finishes) == n  # once, last
+            usage = chunk.usage
+        for c in chunk.choices:  # each chunk is about one choice
+            assert len(chunk.choices) == 1 and 0 <= c.index < n and c.index not in finishes
+            if chat and c.delta.role:
+                roles.append(c.index)
+            text = (c.delta.content or "") if chat else c.text
+            texts[c.index] = texts.get(c.index, "") + text
+            if c.finish_reason is not None:
+                finishes[c.index] = c.finish_reason
+    assert roles == (list(range(n)) if chat else [])
+    return texts, finishes, usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_n_choices_equal_offline(oai, ref, chat, stream):
+    """n=3 seeded samples: each choice (by its index) is the offline completion of that
+    index, the usage counts the prompt once and every choice's tokens."""
+    n, seed = 3, 77
+    sp = SamplingParams(temperature=0.8, max_tokens=N, seed=seed, n=n)
+    want = (ref.chat(QUESTION, sp) if chat else ref.generate(PROMPTS[1], sp))[0]
+    kw = dict(model="smollm2", max_tokens=N, temperature=0.8, seed=seed, n=n, stream=stream)
+    if stream:
+        kw["stream_options"] = {"include_usage": True}
+    got = (oai.chat.completions.create(messages=QUESTION, **kw) if chat
+           else oai.completions.create(prompt=PROMPTS[1], **kw))
+    texts, finishes, usage = _choices(got, chat, stream, n)
+    assert texts == {c.index: c.text for c in want.outputs}
+    assert len(set(texts.values())) > 1, "the choices should be different samples"
+    assert finishes == {c.index: c.finish_reason for c in want.outputs}
+    assert usage.prompt_tokens == len(want.prompt_token_ids)
+    assert usage.completion_tokens == sum(len(c.token_ids) for c in want.outputs)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_n_greedy_choices_are_one_answer(oai, ref):
+    want = ref.generate(PROMPTS[0], _greedy())[0]
+    got = oai.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=N,
+                                 temperature=0, n=4, logprobs=1)
+    assert [c.text for c in got.choices] == [want.text] * 4
+    assert all(len(c.logprobs.tokens) == len(want.token_ids) for c in got.choices)
+    # null is OpenAI's default: one choice
+    got = httpx.post(f"{oai.base_url}completions", json={
+        "model": "smollm2", "prompt": PROMPTS[0], "max_tokens": N, "temperature": 0,
+        "n": None}, timeout=60).json()
+    assert [c["text"] for c in got["choices"]] == [want.text]
+
+
 def test_seeded_sampling_is_reproducible(oai):
     def run():
         return oai.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=N,
@@ -169,7 +227,6 @@ BAD = [
     ("temperature", "/v1/completions", dict(prompt="hi", temperature=-1), 400, "-1"),
     ("top_p", "/v1/chat/completions", dict(messages=QUESTION, top_p=1.5), 400, "1.5"),
     ("max_tokens", "/v1/completions", dict(prompt="hi", max_tokens=0), 400, "max_tokens"),
-    ("n", "/v1/completions", dict(prompt="hi", n=2), 400, "got 2"),
     ("unknown field", "/v1/completions", dict(prompt="hi", best_of_all=3), 400, "best_of_all"),
     ("unknown model", "/v1/completions", dict(prompt="hi", model="gpt-9"), 404, "gpt-9"),
     ("token id", "/v1/completions", dict(prompt=[1, 10**9]), 400, str(10**9)),
@@ -194,6 +251,22 @@ def test_bad_input_gets_openai_error_naming_it(server, name, path, body, status,
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert needle in err["message"], err
+    assert wait_idle(app) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("n, needle", [
+    (0, "got 0"), (-2, "got -2"), (17, "[1, 16]"), (10**30, "got 1000"), (1.5, "got 1.5"),
+    (2.0, "got 2.0"), (True, "got True"), ("2", "got '2'"), ([2], "got [2]"),
+])
+@pytest.mark.parametrize("path, body", [("/v1/completions", dict(prompt="hi")),
+                                        ("/v1/chat/completions", dict(messages=QUESTION))],
+                         ids=["completions", "chat"])
+def test_bad_n_is_a_400_naming_n(server, path, body, n, needle):
+    url, app = server
+    r = _post(url, path, {"model": "smollm2", "max_tokens": 2, **body, "n": n})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["message"].startswith("n") and needle in err["message"]
     assert wait_idle(app) == (0, 0, 0)
 
 
@@ -224,9 +297,10 @@ def test_chat_without_template_says_why(server, oai):
 # ---------------------------------------------------------------------- faults
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(server, oai):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server, oai, n):
     _, app = server
-    stream = oai.completions.create(model="smollm2", prompt=PROMPTS[2], max_tokens=2000,
+    stream = oai.completions.create(model="smollm2", prompt=PROMPTS[2], max_tokens=2000, n=n,
                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
     for i, _chunk in enumerate(stream):
         if i == 2:
@@ -238,9 +312,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, oai):
     assert 'finish_reason="abort"' in httpx.get(f"{server[0]}/metrics").text
 
 
-def test_exception_in_one_request_fails_it_alone(server, oai, ref, monkeypatch):
+@pytest.mark.parametrize("n", [1, 3])
+def test_exception_in_one_request_fails_it_alone(server, oai, ref, monkeypatch, n):
     """A fault injected into the engine thread's per-request processing (seed 4242)
-    fails that request with a 500 while a concurrent one completes."""
+    fails that request, all its ``n`` choices, with a 500 while a concurrent one
+    completes."""
     loop = server[1].state.serve.loop
     original = loop._process
 
@@ -261,11 +337,11 @@ def test_exception_in_one_request_fails_it_alone(server, oai, ref, monkeypatch):
     t.start()
     with pytest.raises(openai_module().InternalServerError, match="injected fault"):
         oai.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=24, seed=4242,
-                               temperature=0)
+                               temperature=0, n=n)
     t.join(60)
     assert results["good"].choices[0].text == want.text
     stream = oai.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=24,
-                                    seed=4242, stream=True)
+                                    seed=4242, stream=True, n=n)
     chunks = []
     with pytest.raises(openai_module().APIError, match="injected fault"):
         for c in stream:

@@ -170,11 +170,14 @@ def _fault_on_seed(original):
     return faulty
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_sampling_failure_fails_its_request_alone(server, monkeypatch, stream):
+def test_a_sampling_failure_fails_its_request_alone(server, monkeypatch, stream, n):
+    """Every choice of the faulty request fails in the same step (n=3: three failures
+    of one request): it gets one error, its batch-mate nothing."""
     monkeypatch.setattr(sampler, "_pick", _fault_on_seed(sampler._pick))
     body = {"model": "smollm2", "prompt": BASE_PROMPT, "max_tokens": 16, "temperature": 0.7,
-            "seed": FAULT_SEED, "stream": stream}
+            "seed": FAULT_SEED, "stream": stream, "n": n}
 
     def bad():
         if not stream:
@@ -349,6 +352,9 @@ CLIENT_ERRORS = [
     ("stop id true", C, dict(prompt="hi", stop_token_ids=[True]), 400, "stop_token_ids"),
     ("stream 1", C, dict(prompt="hi", stream=1), 400, "stream"),
     ("max_tokens '5'", C, dict(prompt="hi", max_tokens="5"), 400, "max_tokens"),
+    ("n true", C, dict(prompt="hi", n=True), 400, "n: "),
+    ("n 0", CHAT, dict(messages=QUESTION, n=0), 400, "n must be an int in [1, 16]"),
+    ("n 10**6", C, dict(prompt="hi", n=10**6), 400, "(this server's --max-n), got 1000000"),
     # what JSON is not
     ("NaN", C, '{"model": "smollm2", "prompt": "hi", "temperature": NaN}', 400, "NaN"),
     ("Infinity", C, '{"model": "smollm2", "prompt": "hi", "repetition_penalty": Infinity}',

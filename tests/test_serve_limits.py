@@ -1,7 +1,9 @@
-"""Server limits and lifecycle: API key, full queue, embeddings on an encoder, SIGTERM."""
+"""Server limits and lifecycle: API key, full queue, `n` up to --max-n, embeddings on an
+encoder, SIGTERM."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import threading
 import time
@@ -18,9 +20,10 @@ KEY = "s3cret-key"
 
 @pytest.fixture(scope="module")
 def limited():
-    """One request runs at a time, one may wait, the rest get 503; /v1 needs KEY."""
+    """One sequence runs at a time, one request may wait, the rest get 503; n is at most
+    2; /v1 needs KEY."""
     llm = LLM(model="smollm2", max_num_seqs=1)
-    with serve_in_thread(llm, api_key=KEY, max_queued_requests=1) as (url, app):
+    with serve_in_thread(llm, api_key=KEY, max_queued_requests=1, max_n=2) as (url, app):
         yield url, app
 
 
@@ -66,6 +69,41 @@ def test_full_queue_answers_503_with_retry_after(limited):
     t.join(60)
     assert queued["r"].status_code == 200
     assert wait_idle(app) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "The capital of France is"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+], ids=["completions", "chat"])
+def test_n_above_max_n_is_a_400_and_n_up_to_it_runs(limited, path, body):
+    """--max-n 2: n=3 is refused naming the limit; n=2 answers two choices, one after the
+    other (one running sequence at a time: the second computes its prompt once the first
+    has finished)."""
+    url, app = limited
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "smollm2", "max_tokens": 4, "temperature": 0, **body}
+    r = httpx.post(f"{url}{path}", headers=headers, json={**body, "n": 3}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and "--max-n" in err["message"] and "got 3" in err["message"]
+    r = httpx.post(f"{url}{path}", headers=headers, json={**body, "n": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    texts = [c.get("text") or c["message"]["content"] for c in choices]
+    assert texts[0] == texts[1]  # greedy
+    assert r.json()["usage"]["completion_tokens"] == 8
+    assert wait_idle(app) == (0, 0, 0)
+
+
+def test_serve_refuses_a_max_n_below_1():
+    from pagedattn.serve.cli import _check, add_serve_arguments
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert p.parse_args([]).max_n == 16
+    with pytest.raises(ValueError, match="--max-n must be >= 1, got 0"):
+        _check(p.parse_args(["--max-n", "0"]))
 
 
 def test_embeddings_on_an_encoder():

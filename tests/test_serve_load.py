@@ -1,6 +1,7 @@
 """Load and faults at once: many concurrent openai clients, streaming and not, chat and
-completions, random max_tokens; some disconnect mid-stream, some send invalid requests.
-Every valid answer equals the offline greedy one, every invalid one gets its 4xx, none
+completions, random max_tokens, one in five with n=2; some disconnect mid-stream, some
+send invalid requests. Every valid answer (each of its choices) equals the offline
+greedy one, every invalid one gets its 4xx, none
 gets a 5xx, and the engine ends empty (no KV block held, nothing waiting).
 
 Bounded in count and time; the server listens on 127.0.0.1 only. The fast version runs
@@ -30,7 +31,7 @@ QUESTIONS = ["What is the capital of France?", "Name three fruits.", "What is 2 
              "Write a haiku about rain.", "Who wrote Hamlet?", "Why is the sky blue?"]
 INVALID = [  # (kwargs for create, exception class name, text the message must contain)
     (dict(temperature=-1), "BadRequestError", "-1"),
-    (dict(n=3), "BadRequestError", "got 3"),
+    (dict(n=0), "BadRequestError", "got 0"),
     (dict(model="no-such-model"), "NotFoundError", "no-such-model"),
     (dict(extra_body={"frobnicate": True}), "BadRequestError", "frobnicate"),
     (dict(top_p=7.5), "BadRequestError", "7.5"),
@@ -83,20 +84,22 @@ async def _one(oai, rng: random.Random, ref, refs, tally: Counter, failures: lis
         return
     want, want_finish = expected_text(ref.tokenizer, refs[("chat" if chat else "text", prompt)],
                                       ref.engine.eos_token_id, max_tokens)
+    n = 2 if rng.random() < 0.2 else 1
+    texts, finishes = [""] * n, [None] * n
     if stream:
-        text, finish = "", None
-        async for c in await create(**kw, stream=True):
-            if c.choices:
-                ch = c.choices[0]
-                text += (ch.delta.content or "") if chat else ch.text
-                finish = ch.finish_reason or finish
+        async for c in await create(**kw, n=n, stream=True):
+            for ch in c.choices:
+                texts[ch.index] += (ch.delta.content or "") if chat else ch.text
+                finishes[ch.index] = ch.finish_reason or finishes[ch.index]
     else:
-        r = await create(**kw)
-        ch = r.choices[0]
-        text, finish = (ch.message.content if chat else ch.text), ch.finish_reason
-    if (text, finish) != (want, want_finish):
-        failures.append(f"{prompt!r} max_tokens={max_tokens} stream={stream}: "
-                        f"{(text, finish)!r} != {(want, want_finish)!r}")
+        r = await create(**kw, n=n)
+        for ch in r.choices:
+            texts[ch.index] = ch.message.content if chat else ch.text
+            finishes[ch.index] = ch.finish_reason
+    for text, finish in zip(texts, finishes):
+        if (text, finish) != (want, want_finish):
+            failures.append(f"{prompt!r} max_tokens={max_tokens} stream={stream} n={n}: "
+                            f"{(text, finish)!r} != {(want, want_finish)!r}")
     tally["streamed" if stream else "whole"] += 1
 
 

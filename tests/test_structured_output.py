@@ -211,6 +211,19 @@ def test_regex_with_sampling_fullmatches(server):
         assert re.fullmatch(pattern, text), text
 
 
+def test_regex_holds_every_choice_of_n(server):
+    """n=3: each choice walks the grammar with a matcher of its own."""
+    pattern = r"(yes|no), because [a-z ]{1,30}\."
+    r = _chat(server, "Is the sky blue? Answer yes or no and why.", guided_regex=pattern,
+              temperature=0.8, seed=5, max_tokens=40, n=3)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for c in choices:
+        assert c["finish_reason"] == "stop"
+        assert re.fullmatch(pattern, c["message"]["content"]), c["message"]["content"]
+
+
 @pytest.mark.parametrize("field", ["guided_grammar", "grammar"])
 def test_grammar_answer_is_in_the_language(server, field):
     grammar = ('root ::= expr "="\n'

@@ -9,7 +9,8 @@ until they are handed out again: the free list is ordered least recently freed f
 so the oldest cached content is evicted first.
 
 :class:`KVCacheManager` is the scheduler's view: it gives a request the blocks for its
-next tokens (reusing cached prefix blocks), caches its blocks as they fill, frees them.
+next tokens (reusing cached prefix blocks), caches its blocks as they fill, frees them,
+and forks the sequences of a request with ``n > 1`` from its first one (:meth:`fork`).
 """
 
 from __future__ import annotations
@@ -124,20 +125,57 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
 
-    def _update_hashes(self, req: Request) -> None:
-        """Extend ``req.block_hashes`` over every full block of its known tokens."""
+    def block_hashes(self, req: Request) -> list[BlockHash]:
+        """``req.block_hashes``, extended over every full block of its known tokens."""
         bs = self.block_size
         for i in range(len(req.block_hashes), req.num_tokens // bs):
             parent = req.block_hashes[-1] if req.block_hashes else None
             req.block_hashes.append(hash_block(parent, req.token_ids(i * bs, (i + 1) * bs)))
+        return req.block_hashes
+
+    def max_hit_blocks(self, req: Request) -> int:
+        """How many leading blocks of ``req`` the prefix cache may serve: its full blocks
+        but the one holding its last token, whose logits must be computed."""
+        return (req.num_tokens - 1) // self.block_size
 
     def computed_blocks(self, req: Request) -> list[int]:
         """Cached blocks for a request that has nothing computed yet. At least one token
         is left to compute, since the last one's logits are needed."""
         if not self.pool.enable_prefix_caching or req.num_computed_tokens:
             return []
-        self._update_hashes(req)
-        return self.pool.lookup(req.block_hashes, (req.num_tokens - 1) // self.block_size)
+        return self.pool.lookup(self.block_hashes(req), self.max_hit_blocks(req))
+
+    def fork(self, child: Request, parent: Request, copies: list[tuple[int, int]]) -> bool:
+        """Give ``child``, a sequence of ``parent``'s request with nothing computed, the KV
+        of their prompt but its last token, from ``parent``, which has computed at least
+        that much; ``child`` then computes the last prompt token itself (its own logits).
+
+        The full blocks are shared (one more reference each). The partly filled block
+        (if any) is copied on write: ``child`` gets a fresh block and ``(parent's block,
+        fresh block)`` is appended to ``copies``; the caller copies its KV, all layers,
+        before the step that writes into it. Slots of the parent's block past the prompt
+        may hold its own later tokens by then: the child writes those positions before
+        it reads them. Without a partly filled block the fresh block takes the last
+        prompt token. Either way the child ends with the blocks of its whole prompt:
+        one block from the free list, False if there is none.
+
+        Worked example, ``block_size=4``, a 10-token prompt: the child takes 9 tokens'
+        KV: blocks 0-1 (tokens 0-7) shared, block 2 (token 8, 1 of 4 slots filled)
+        copied; it computes token 9 into its copy."""
+        if not self.pool.num_free_blocks:
+            return False
+        full, partial = divmod(child.num_prompt_tokens - 1, self.block_size)
+        shared = parent.block_ids[:full]
+        self.pool.take(shared)
+        own = self.pool.allocate(1)[0]
+        if partial:
+            copies.append((parent.block_ids[full], own))
+        child.block_ids = shared + [own]
+        child.num_computed_tokens = child.num_prompt_tokens - 1
+        cached = min(full, parent.num_cached_blocks)  # registered by the parent already
+        child.block_hashes = parent.block_hashes[:cached]
+        child.num_cached_blocks = cached
+        return True
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        hit_blocks: list[int] | None = None) -> bool:
@@ -165,7 +203,7 @@ class KVCacheManager:
         num_full = req.num_computed_tokens // self.block_size
         if num_full <= req.num_cached_blocks:
             return
-        self._update_hashes(req)
+        self.block_hashes(req)
         for i in range(req.num_cached_blocks, num_full):
             self.pool.register(req.block_ids[i], req.block_hashes[i])
         req.num_cached_blocks = num_full

@@ -27,7 +27,7 @@ from pagedattn.engine.detokenizer import cut_at_stop
 from pagedattn.engine.embedder import Embedder
 from pagedattn.engine.llm_engine import LLMEngine, StepStats
 from pagedattn.engine.loading import load_model
-from pagedattn.engine.request import FinishReason, Request
+from pagedattn.engine.request import FinishReason, Request, new_sequences
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import RequestRejectedError
 from pagedattn.models.loader import describe_model
@@ -48,24 +48,46 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's shape): which of the request's ``n`` it is
+    (``index``), its ``text`` and ``token_ids`` (EOS included when generation stopped at
+    it), ``finish_reason`` (stop, length, abort, error) and, for ``error``, the reason in
+    ``error``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None = None
+
+
+@dataclass
 class RequestOutput:
-    """One prompt's result: generated ``text`` and ``token_ids`` (EOS included when
-    generation stopped at it), ``finish_reason`` (stop, length, abort, error) and, for
-    ``error``, the reason in ``error``."""
+    """One prompt's result: its ``SamplingParams.n`` completions in ``outputs``, in index
+    order. ``text``, ``token_ids``, ``finish_reason`` and ``error`` are the first
+    completion's (the whole answer for n == 1)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    error: str | None
+    outputs: list[CompletionOutput]
     metrics: RequestMetrics
 
     @property
-    def outputs(self) -> list[RequestOutput]:
-        """vLLM keeps completions in ``outputs``; here each request has one."""
-        return [self]
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
 
     @property
     def finished(self) -> bool:
@@ -171,9 +193,9 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One :class:`RequestOutput` per prompt, in order. A prompt that cannot be
-        served (longer than the context) gets ``finish_reason == "error"`` with the
-        reason, and the others still run."""
+        """One :class:`RequestOutput` per prompt, in order, with ``n`` completions each
+        (``SamplingParams.n``). A prompt that cannot be served (longer than the context)
+        gets ``finish_reason == "error"`` with the reason, and the others still run."""
         engine = self._decoder("generate()")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -195,8 +217,9 @@ class LLM:
             try:
                 req = engine.add_request(ids, sp)
             except RequestRejectedError as exc:
-                req = Request(f"rejected-{len(reqs)}", ids, sp)
-                req.finish(FinishReason.ERROR, str(exc))
+                req = new_sequences(f"rejected-{len(reqs)}", ids, sp)[0]
+                for seq in req.group:
+                    seq.finish(FinishReason.ERROR, str(exc))
             reqs.append(req)
             texts.append(text)
         self._run(reqs, use_tqdm)
@@ -240,7 +263,8 @@ class LLM:
         engine = self._decoder("generate()")
         before = dataclasses.replace(engine.stats, ttfts=list(engine.stats.ttfts))
         start = time.perf_counter()
-        total, done = len(reqs), sum(r.is_finished for r in reqs)
+        seqs = [s for r in reqs for s in r.group]
+        total, done = len(seqs), sum(s.is_finished for s in seqs)
         while engine.has_unfinished():
             done += len(engine.step().finished)
             if use_tqdm:
@@ -251,11 +275,19 @@ class LLM:
         self.last_stats = GenerateStats.since(before, engine.stats, time.perf_counter() - start)
 
     def _output(self, req: Request, prompt: str | None) -> RequestOutput:
-        text = cut_at_stop(self.engine.decode(req.output_token_ids), req.sampling_params.stop)
-        metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time,
-                                 req.num_prompt_tokens, req.num_prefix_hit_tokens)
-        return RequestOutput(req.req_id, prompt, req.prompt_token_ids, text,
-                             list(req.output_token_ids), str(req.finish_reason), req.error, metrics)
+        """``req`` (sequence 0) and its group as a :class:`RequestOutput`; the metrics are
+        the request's: its first token is the earliest of any sequence, its finish the
+        latest, its cached tokens sequence 0's prefix-cache hits."""
+        outputs = [CompletionOutput(s.index, cut_at_stop(self.engine.decode(s.output_token_ids),
+                                                         s.sampling_params.stop),
+                                    list(s.output_token_ids), str(s.finish_reason), s.error)
+                   for s in req.group]
+        firsts = [s.first_token_time for s in req.group if s.first_token_time is not None]
+        ends = [s.finish_time for s in req.group if s.finish_time is not None]
+        metrics = RequestMetrics(req.arrival_time, min(firsts, default=None),
+                                 max(ends, default=None), req.num_prompt_tokens,
+                                 req.num_prefix_hit_tokens)
+        return RequestOutput(req.request_id, prompt, req.prompt_token_ids, outputs, metrics)
 
     # ------------------------------------------------------------------ embeddings
 

@@ -4,6 +4,11 @@ It knows requests, not prompts' text: :meth:`add_request` queues token ids, :met
 runs one scheduler step (one forward pass over every scheduled request), :meth:`abort`
 drops a request and frees its blocks. ``LLM`` (offline) and ``pagedattn serve`` (online)
 both drive one of these.
+
+A request with ``SamplingParams.n > 1`` runs as ``n`` sequences (``request.py``), each a
+handle of its own in :class:`StepResult`; :meth:`progress` says which request and which
+of its ``n`` sequences a handle is. :meth:`abort` takes the request's id and ends all of
+them.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pagedattn.engine.detokenizer import IncrementalDetokenizer
 from pagedattn.engine.inputs import PromptInputs, check_token_ids
 from pagedattn.engine.loading import LoadedModel
 from pagedattn.engine.model_runner import ModelRunner
-from pagedattn.engine.request import FinishReason, Request
+from pagedattn.engine.request import FinishReason, Request, new_sequences
 from pagedattn.engine.sampling_params import SamplingParams
 from pagedattn.engine.scheduler import ContextLengthError, Scheduler
 from pagedattn.engine.structured_output import Grammars, StructuredOutput
@@ -40,10 +45,11 @@ class StepStats:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one :meth:`LLMEngine.step` did: the requests that got a token, and of those
-    the ones that finished; ``failed``: the requests whose own processing (sampling, stop
-    strings) raised, finished with ``error`` (the reason in ``Request.error``). A failed
-    request that got its token first is in ``sampled`` and ``finished`` too."""
+    """What one :meth:`LLMEngine.step` did: the sequences (one per request for n == 1)
+    that got a token, and of those the ones that finished; ``failed``: the sequences whose
+    own processing (sampling, stop strings) raised, finished with ``error`` (the reason
+    in ``Request.error``). A failed sequence that got its token first is in ``sampled``
+    and ``finished`` too."""
 
     sampled: list[Request]
     finished: list[Request]
@@ -69,9 +75,11 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class RequestProgress:
-    """One request's progress (:meth:`LLMEngine.progress`): what a front end streams."""
+    """One sequence's progress (:meth:`LLMEngine.progress`): what a front end streams."""
 
     req_id: str
+    """The request's id (the one :meth:`LLMEngine.add_request` was given), shared by its
+    ``n`` sequences."""
     new_token_ids: list[int]
     """Output tokens from the ``since`` asked for on."""
     new_logprobs: list
@@ -80,6 +88,11 @@ class RequestProgress:
     finish_reason: str | None
     """``None`` while the request runs."""
     error: str | None
+    index: int = 0
+    """Which of the request's ``n`` sequences (``SamplingParams.n``) the tokens are of:
+    0 to n - 1, the choice's ``index`` in OpenAI's answers."""
+    n: int = 1
+    """How many sequences the request has."""
 
 
 class LLMEngine:
@@ -132,16 +145,17 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     request_id: str | None = None) -> Request:
-        """Queue a request. Raises ``RequestRejectedError`` (a ``ValueError``) if it can
-        never run, e.g. a prompt longer than the context."""
+        """Queue a request: its ``sampling_params.n`` sequences. Returns sequence 0, whose
+        ``group`` lists all of them. Raises ``RequestRejectedError`` (a ``ValueError``)
+        if it can never run, e.g. a prompt longer than the context."""
         self.check_sampling_params(sampling_params)
         req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(req_id, list(prompt_token_ids), sampling_params,
-                      eos_token_id=self.eos_token_id)
+        group = new_sequences(req_id, prompt_token_ids, sampling_params, self.eos_token_id)
         if sampling_params.structured_output is not None:
-            req.grammar = self.grammars.new_state(sampling_params.structured_output)
-        self.scheduler.add_request(req)
-        return req
+            for seq in group:  # each sequence walks the grammar on its own tokens
+                seq.grammar = self.grammars.new_state(sampling_params.structured_output)
+        self.scheduler.add_request(group[0])
+        return group[0]
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Raise ValueError where ``params`` name a token this model does not have, or
@@ -179,11 +193,12 @@ class LLMEngine:
         return requested
 
     def abort(self, request_id: str) -> bool:
-        """Abort a queued or running request (frees its blocks); False if unknown."""
-        req = self.scheduler.abort_request(request_id)
-        if req is not None:
-            self.runner.forget(request_id)
-        return req is not None
+        """Abort a queued or running request, all its sequences (frees their blocks);
+        False if unknown or finished."""
+        aborted = self.scheduler.abort_request(request_id)
+        for seq in aborted:
+            self.runner.forget(seq.req_id)
+        return bool(aborted)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -260,15 +275,17 @@ class LLMEngine:
 
     def progress(self, req: Request, since: int = 0) -> RequestProgress:
         """``req``'s output from its ``since``-th token on, and whether (and why) it has
-        finished; ``req`` is a handle from :meth:`add_request` or a :class:`StepResult`."""
+        finished; ``req`` is a handle (one sequence) from :meth:`add_request` or a
+        :class:`StepResult`. A front end keeps ``since`` per request and sequence: the
+        handle's ``request_id`` and ``index`` say which, without a call."""
         out = req.output_token_ids
-        return RequestProgress(req.req_id, out[since:], req.output_logprobs[since:len(out)],
+        return RequestProgress(req.request_id, out[since:], req.output_logprobs[since:len(out)],
                                len(out), str(req.finish_reason) if req.is_finished else None,
-                               req.error)
+                               req.error, req.index, len(req.group))
 
     def running_request_ids(self) -> list[str]:
-        """Ids of the requests in the running batch."""
-        return [r.req_id for r in self.scheduler.running]
+        """Ids of the requests with a sequence in the running batch, each once."""
+        return list(dict.fromkeys(r.request_id for r in self.scheduler.running))
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""

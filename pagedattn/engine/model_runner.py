@@ -1,10 +1,12 @@
 """The model runner: turns a scheduler step into one forward pass and sampled tokens.
 
-Per step: sync the persistent input batch with the scheduled requests, let the attention
-builder's threshold put decodes first, derive positions, block table and slot mapping
-through ``pagedattn.paging``, build ``CommonAttentionMetadata`` and from it the backend
-metadata (once), run the model (every layer's impl reads that same metadata), sample
-the requests whose last known token was computed.
+Per step: copy the KV blocks the scheduler asks for (a forked sequence's copy on write,
+``SchedulerOutput.block_copies``), sync the persistent input batch with the scheduled
+requests, let the attention builder's threshold put decodes first, derive positions,
+block table and slot mapping through ``pagedattn.paging``, build
+``CommonAttentionMetadata`` and from it the backend metadata (once), run the model (every
+layer's impl reads that same metadata), sample the requests whose last known token was
+computed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ def request_seed(engine_seed: int, req_id: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of sequence ``index`` of a request seeded with ``seed``: ``seed`` itself
+    for sequence 0 (a request with ``n == 1`` samples as before), a digest of
+    ``(seed, index)`` for the others, so no two sequences share a stream and requests
+    with neighbouring seeds do not share sequences either (``seed + index`` would)."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"sequence:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
 class ModelRunner:
     def __init__(self, model, attention: AttentionStack, *, num_blocks: int,
                  max_model_len: int, max_num_seqs: int, seed: int = 0,
@@ -59,12 +72,22 @@ class ModelRunner:
         gen = self.generators.get(req.req_id)
         if gen is None:
             gen = torch.Generator()
-            gen.manual_seed(sp.seed if sp.seed is not None else request_seed(self.seed, req.req_id))
+            # without a seed: the engine's, mixed with the sequence's own id
+            gen.manual_seed(sequence_seed(sp.seed, req.index) if sp.seed is not None
+                            else request_seed(self.seed, req.req_id))
             self.generators[req.req_id] = gen
         return gen
 
     def forget(self, req_id: str) -> None:
         self.generators.pop(req_id, None)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of block ``src`` into block ``dst`` for each ``(src, dst)`` in
+        ``pairs``, K and V of every layer (dim 1 of every backend's cache shape is the
+        block). No destination is a source: destinations are fresh blocks."""
+        for cache in self.kv_caches:
+            for src, dst in pairs:
+                cache[:, dst].copy_(cache[:, src])
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, list[int]]:
         """``(input_ids, positions, common metadata, query lens)`` of the step, in the
@@ -106,6 +129,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict]:
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
         input_ids, positions, common, query_lens = self.prepare(out)
         attn_metadata = self.builder.build(0, common)
         reqs = self.input_batch.requests

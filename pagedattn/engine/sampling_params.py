@@ -51,6 +51,12 @@ class SamplingParams:
     ``None`` = off) holds the output to a JSON schema, any JSON object, a regex or an EBNF
     grammar (xgrammar): tokens the grammar does not allow next are masked before the pick,
     and the request finishes (``stop``) once the grammar is complete.
+
+    ``n`` (>= 1) asks for that many completions of the prompt. The prompt is computed
+    once: the ``n`` sequences share its KV blocks, each gets its own copy of the partly
+    filled last one, and sequence ``i`` samples with its own generator: with ``seed=s``,
+    sequence 0 uses ``s`` (as a request with ``n == 1``) and sequence ``i`` a seed derived
+    from ``(s, i)``; without a seed, the engine's seed mixed with the sequence's id.
     """
 
     temperature: float = 1.0
@@ -66,6 +72,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
@@ -87,7 +94,7 @@ class SamplingParams:
         if number("repetition_penalty") < REPETITION_PENALTY_MIN:
             raise ValueError(f"repetition_penalty must be >= {REPETITION_PENALTY_MIN} "
                              f"(1 = off), got {self.repetition_penalty}")
-        for name, low in (("top_k", -1), ("max_tokens", 1), ("min_tokens", 0)):
+        for name, low in (("top_k", -1), ("max_tokens", 1), ("min_tokens", 0), ("n", 1)):
             require_int(name, getattr(self, name), low)
         require_int("seed", self.seed, allow_none=True, error=TypeError, expected="an int or None")
         if self.min_tokens > self.max_tokens:

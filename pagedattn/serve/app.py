@@ -32,6 +32,7 @@ from pagedattn.serve.body import (
     parse_json,
     read_body,
 )
+from pagedattn.serve.cli import DEFAULT_MAX_N
 from pagedattn.serve.engine_loop import EngineLoop, new_torch_thread
 from pagedattn.serve.metrics import ServeMetrics
 from pagedattn.serve.protocol import (
@@ -43,7 +44,7 @@ from pagedattn.serve.protocol import (
     pick_error,
     validation_message,
 )
-from pagedattn.serve.responses import Kind, merge_logprobs, sse
+from pagedattn.serve.responses import Choice, Kind, sse
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -59,12 +60,14 @@ class ServeState:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
                  max_queued_requests: int | None = None,
                  torch_thread: ThreadPoolExecutor | None = None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 max_n: int = DEFAULT_MAX_N) -> None:
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
         self.max_queued_requests = max_queued_requests
         self.max_request_bytes = max_request_bytes
+        self.max_n = max_n
         self.metrics = ServeMetrics(model_name)
         torch_thread = torch_thread or new_torch_thread()
         self.loop = EngineLoop(llm.engine, self.metrics, torch_thread) if llm.engine else None
@@ -199,26 +202,22 @@ async def _generate(state: ServeState, request: Request, kind: Kind, ids: list[i
                        type_="server_overloaded", headers={"Retry-After": "1"})
     handle = loop.submit(kind.req_id, ids, params, arrival=time.perf_counter())
     if stream:
-        return StreamingResponse(_stream(state, kind, handle, include_usage),
+        return StreamingResponse(_stream(state, kind, handle, params.n, include_usage),
                                  media_type="text/event-stream")
     # Nothing is sent before the answer, so only the connection tells that the client has
     # gone: abort then, before the engine's next step, instead of generating to the end.
     watcher = asyncio.create_task(_abort_on_disconnect(request, loop, handle))
     try:
-        texts, blocks, offset = [], [], 0
+        choices = [Choice() for _ in range(params.n)]
         while True:
             delta = await handle.next()
             if delta.error is not None:
                 raise APIError(delta.error_status, delta.error,
                                type_="invalid_request_error" if delta.error_status < 500
                                else "server_error")
-            blocks.append(kind.logprobs(state.llm.tokenizer, delta, offset))
-            texts.append(delta.text)
-            offset += len(delta.text)
-            if delta.finish_reason is not None:
-                return JSONResponse(kind.whole("".join(texts), delta.finish_reason,
-                                               merge_logprobs(blocks, kind.chat),
-                                               delta.num_prompt_tokens, delta.num_output_tokens))
+            choices[delta.index].add(kind, state.llm.tokenizer, delta)
+            if handle.finished:
+                return JSONResponse(kind.whole(choices, delta.num_prompt_tokens))
     finally:
         watcher.cancel()
         loop.release(handle)
@@ -231,25 +230,29 @@ async def _abort_on_disconnect(request: Request, loop: EngineLoop, handle) -> No
     loop.abort(handle)
 
 
-async def _stream(state: ServeState, kind: Kind, handle, include_usage: bool):
+async def _stream(state: ServeState, kind: Kind, handle, n: int, include_usage: bool):
+    """Server-sent events: (chat) a role chunk per choice, then each delta as a chunk of
+    the choice it is about, the usage chunk once every choice has finished, ``[DONE]``."""
     loop = state.loop
     try:
         if kind.chat:
-            yield sse(kind.chunk("", None, None, role=True))
-        offset = 0
+            for index in range(n):
+                yield sse(kind.chunk("", None, None, role=True, index=index))
+        choices = [Choice() for _ in range(n)]
         while True:
             delta = await handle.next()
             if delta.error is not None:
                 yield sse(error_body(delta.error, "server_error" if delta.error_status >= 500
                                      else "invalid_request_error"))
                 break
-            logprobs = kind.logprobs(state.llm.tokenizer, delta, offset)
-            offset += len(delta.text)
+            logprobs = choices[delta.index].add(kind, state.llm.tokenizer, delta)
             if delta.text or logprobs or delta.finish_reason is not None:
-                yield sse(kind.chunk(delta.text, delta.finish_reason, logprobs))
-            if delta.finish_reason is not None:
+                yield sse(kind.chunk(delta.text, delta.finish_reason, logprobs,
+                                     index=delta.index))
+            if handle.finished:
                 if include_usage:
-                    yield sse(kind.usage_chunk(delta.num_prompt_tokens, delta.num_output_tokens))
+                    completion = sum(c.num_output_tokens for c in choices)
+                    yield sse(kind.usage_chunk(delta.num_prompt_tokens, completion))
                 break
         yield sse("[DONE]")
     finally:  # also on a client that went away (the task is cancelled): abort it
@@ -273,7 +276,7 @@ def _routes(state: ServeState) -> APIRouter:
         schema = ChatCompletionRequest if chat else CompletionRequest
         body, large = await state.parse(request, schema)
         state.check_model(body.model)
-        body.check_n()
+        body.check_n(state.max_n)
         state.decoder_loop(route)
         structured = await state.structured_output(body)
         ids, params = await state.run_inputs(large, state.prepare, body, chat, structured)
@@ -346,11 +349,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = None,
               max_queued_requests: int | None = None,
               torch_thread: ThreadPoolExecutor | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_n: int = DEFAULT_MAX_N) -> FastAPI:
     """The server's app; its lifespan starts and stops the engine thread. ``torch_thread``:
-    the thread that loaded ``llm`` (``engine_loop.new_torch_thread``), to run it there."""
+    the thread that loaded ``llm`` (``engine_loop.new_torch_thread``), to run it there.
+    ``max_n``: the largest ``n`` (choices per request) a request may ask for."""
     state = ServeState(llm, model_name or llm.args.model, api_key, max_queued_requests,
-                       torch_thread, max_request_bytes)
+                       torch_thread, max_request_bytes, max_n)
 
     @asynccontextmanager
     async def lifespan(_app):

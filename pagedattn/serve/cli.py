@@ -16,6 +16,12 @@ from pagedattn.engine.interface import add_engine_arguments, describe_engine, en
 # where the serve extra is not needed yet.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
+# The largest n (choices per request) a request may ask for (--max-n). A request's n
+# sequences share the prompt's KV, but each decodes and holds its own blocks for its
+# output: n=16 costs about what 16 requests cost. vLLM sets no limit; a public server
+# wants one, so that one request cannot take the whole batch.
+DEFAULT_MAX_N = 16
+
 # A server's clients wait on their first token, and they arrive in bursts: admit the
 # shortest prompts first, in steps of 512 tokens, so a burst's median first token waits
 # on the prefill of the prompts shorter than it, not on a 2048-token step
@@ -41,6 +47,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="answer 413 to a request body larger than this, before reading it "
                         f"(default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help="the largest n (choices per completion request) a request may ask "
+                        f"for; larger is a 400 (default {DEFAULT_MAX_N})")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests that bring no seed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -57,6 +66,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.max_n < 1:
+        raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -81,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = torch_thread.submit(LLM, **vars(engine_args(args, seed=args.seed))).result()
     name = args.served_model_name or args.model
     app = build_app(llm, name, args.api_key, args.max_queued_requests, torch_thread,
-                    args.max_request_bytes)
+                    args.max_request_bytes, args.max_n)
     print(f"pagedattn serve: http://{args.host}:{args.port}/v1 serving {name!r}", flush=True)
     print(f"  {describe_engine(llm)}", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -4,12 +4,14 @@ Handlers never touch the engine. They :meth:`EngineLoop.submit` a request (which
 command in a thread-safe inbox and returns a :class:`RequestStream`) and read
 :class:`Delta` s from it; :meth:`EngineLoop.abort` queues an abort the same way. The
 engine thread drains the inbox between steps (so a request that arrives mid-step joins
-the next one), runs ``step()`` while anything is unfinished, turns each sampled request
-into a delta (new text, tokens, logprobs, finish reason) and hands a step's deltas to the
-asyncio loop in one ``call_soon_threadsafe``. A failure while handling one request (its
-sampling, stop strings or text) fails that request alone with an error delta; the loop
-goes on. An aborted request's stream gets a last delta with ``finish_reason="abort"``.
-The metrics' gauges are refreshed after every step and every batch of commands.
+the next one), runs ``step()`` while anything is unfinished, turns each sampled sequence
+into a delta (new text, tokens, logprobs, finish reason, and which of the request's ``n``
+choices it is) and hands a step's deltas to the asyncio loop in one
+``call_soon_threadsafe``. A failure while handling one request (the sampling, stop
+strings or text of any of its choices) fails that request alone, all its choices, with
+one error delta; the loop goes on. An aborted request's stream gets a last delta with
+``finish_reason="abort"`` for each choice still running. The metrics' gauges are
+refreshed after every step and every batch of commands.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def new_torch_thread() -> ThreadPoolExecutor:
 
 @dataclass
 class Delta:
-    """What one request got in one step (or its end)."""
+    """What one choice of a request got in one step (or its end)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -59,21 +61,40 @@ class Delta:
     error: str | None = None
     error_status: int = 500
     """HTTP status for ``error``: 400 for a request the engine rejects, 500 otherwise."""
+    index: int = 0
+    """Which of the request's ``n`` choices this is about (an error is the request's)."""
 
 
 class RequestStream:
-    """The asyncio side of one request: its deltas, in order."""
+    """The asyncio side of one request: its deltas, in order, its ``n`` choices'
+    interleaved (each delta says which). It is finished after an error, or once every
+    choice has had its finish reason."""
 
-    def __init__(self, req_id: str) -> None:
+    def __init__(self, req_id: str, n: int = 1) -> None:
         self.req_id = req_id
+        self.n = n
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.finished = False
+        self._running = n
 
     async def next(self) -> Delta:
         delta = await self.queue.get()
-        if delta.finish_reason is not None or delta.error is not None:
+        if delta.error is not None:
             self.finished = True
+        elif delta.finish_reason is not None:
+            self._running -= 1
+            self.finished = self._running == 0
         return delta
+
+
+@dataclass
+class _Choice:
+    """Engine-thread state of one of a request's ``n`` choices (one engine sequence)."""
+
+    text: StreamingText | None = None
+    sent_tokens: int = 0
+    last_token: float | None = None
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -85,10 +106,22 @@ class _Tracked:
     num_prompt_tokens: int
     arrival: float
     params: SamplingParams | None = None
-    text: StreamingText | None = None
-    sent_tokens: int = 0
     first_token: float | None = None
-    last_token: float | None = None
+    """The first token of any choice (the request's TTFT)."""
+    choices: list[_Choice] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            self.choices = [_Choice() for _ in range(self.params.n if self.params else 1)]
+
+    @property
+    def sent_tokens(self) -> int:
+        """Tokens sent, all choices together."""
+        return sum(c.sent_tokens for c in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
 
 
 @dataclass(frozen=True)
@@ -142,7 +175,7 @@ class EngineLoop:
 
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
                arrival: float | None = None) -> RequestStream:
-        stream = RequestStream(req_id)
+        stream = RequestStream(req_id, params.n)
         tracked = _Tracked(stream, asyncio.get_running_loop(), len(prompt_ids),
                            arrival if arrival is not None else time.perf_counter(), params)
         self.num_in_flight += 1
@@ -201,7 +234,8 @@ class EngineLoop:
 
     def _refresh(self) -> None:
         load = self.engine.load()
-        self.num_running = load.num_running
+        # requests, not sequences: the handlers count requests in flight
+        self.num_running = len(self.engine.running_request_ids())
         if self.metrics is not None:
             self.metrics.refresh(load)
 
@@ -219,14 +253,20 @@ class EngineLoop:
             return
         if self.metrics is not None and aborted:
             self.metrics.finished(FinishReason.ABORT.value, time.perf_counter() - tracked.arrival)
-        try:
-            text = tracked.text.flush() if tracked.text is not None else ""
-        except Exception:  # noqa: BLE001 - the abort must reach the stream regardless
-            log.exception("request %s: decoding its last text failed", req_id)
-            text = ""
-        _post(tracked.aloop, [(tracked.stream, Delta(
-            text, finish_reason=FinishReason.ABORT.value,
-            num_prompt_tokens=tracked.num_prompt_tokens, num_output_tokens=tracked.sent_tokens))])
+        deltas = []
+        for index, choice in enumerate(tracked.choices):
+            if choice.finish_reason is not None:
+                continue
+            try:
+                text = choice.text.flush() if choice.text is not None else ""
+            except Exception:  # noqa: BLE001 - the abort must reach the stream regardless
+                log.exception("request %s: decoding its last text failed", req_id)
+                text = ""
+            deltas.append((tracked.stream, Delta(
+                text, finish_reason=FinishReason.ABORT.value,
+                num_prompt_tokens=tracked.num_prompt_tokens,
+                num_output_tokens=choice.sent_tokens, index=index)))
+        _post(tracked.aloop, deltas)
 
     def _fail(self, req_id: str, message: str, status: int) -> None:
         tracked = self._tracked.pop(req_id, None)
@@ -247,62 +287,68 @@ class EngineLoop:
             self._refresh()
             return
         now = time.perf_counter()
-        for req in result.failed:
-            error = self.engine.progress(req).error
-            log.error("request %s failed: %s", req.req_id, error)
-            self._fail(req.req_id, f"internal error while processing the request: {error}", 500)
+        for seq in result.failed:  # a choice that failed fails its whole request
+            progress = self.engine.progress(seq)
+            log.error("request %s (choice %d) failed: %s", progress.req_id, progress.index,
+                      progress.error)
+            self._fail(progress.req_id,
+                       f"internal error while processing the request: {progress.error}", 500)
         out: dict[asyncio.AbstractEventLoop, list] = {}
-        for req in result.sampled:
-            tracked = self._tracked.get(req.req_id)
+        for seq in result.sampled:
+            tracked = self._tracked.get(seq.request_id)
             if tracked is None:
                 continue
             try:
-                progress = self.engine.progress(req, tracked.sent_tokens)
+                progress = self.engine.progress(seq, tracked.choices[seq.index].sent_tokens)
                 delta = self._process(progress, tracked, now)
             except Exception as exc:  # noqa: BLE001 - fail this request alone
-                log.exception("request %s failed", req.req_id)
-                self._fail(req.req_id, f"internal error while processing the request: {exc}", 500)
+                log.exception("request %s failed", seq.request_id)
+                self._fail(seq.request_id,
+                           f"internal error while processing the request: {exc}", 500)
                 continue
             out.setdefault(tracked.aloop, []).append((tracked.stream, delta))
-            if delta.finish_reason is not None:
-                self._tracked.pop(req.req_id, None)
-                self._log_finished(progress, tracked, now)
+            if tracked.finished:
+                self._tracked.pop(seq.request_id, None)
+                if self.metrics is not None:
+                    self.metrics.finished(progress.finish_reason, now - tracked.arrival)
+                self._log_finished(progress.req_id, tracked, now)
         for aloop, items in out.items():
             _post(aloop, items)
         self._refresh()
 
     def _process(self, progress: RequestProgress, tracked: _Tracked, now: float) -> Delta:
-        """The delta of a request since the last one (``progress`` from its last sent
-        token): its new tokens, and the new text that is final (``StreamingText``: decoded
-        incrementally, held back while it may begin a stop string, cut before one)."""
+        """The delta of one choice of a request since its last one (``progress`` from its
+        last sent token): its new tokens, and the new text that is final
+        (``StreamingText``: decoded incrementally, held back while it may begin a stop
+        string, cut before one)."""
+        choice = tracked.choices[progress.index]
         new_tokens, logprobs = progress.new_token_ids, progress.new_logprobs
-        tracked.sent_tokens += len(new_tokens)
+        choice.sent_tokens += len(new_tokens)
         if self.metrics is not None:
             if tracked.first_token is None:
                 self.metrics.ttft.observe(now - tracked.arrival)
-            else:
-                self.metrics.itl.observe(now - tracked.last_token)
+            elif choice.last_token is not None:
+                self.metrics.itl.observe(now - choice.last_token)
         if tracked.first_token is None:
             tracked.first_token = now
-        tracked.last_token = now
-        if tracked.text is None and self.tokenizer is not None:
+        choice.last_token = now
+        if choice.text is None and self.tokenizer is not None:
             sp = tracked.params
-            tracked.text = StreamingText(self.tokenizer, sp.skip_special_tokens, sp.stop)
+            choice.text = StreamingText(self.tokenizer, sp.skip_special_tokens, sp.stop)
         finish = progress.finish_reason
-        delta_text = tracked.text.add(new_tokens, finish is not None) if tracked.text else ""
-        if finish is not None and self.metrics is not None:
-            self.metrics.finished(finish, now - tracked.arrival)
+        delta_text = choice.text.add(new_tokens, finish is not None) if choice.text else ""
+        choice.finish_reason = finish
         return Delta(delta_text, list(new_tokens), list(logprobs), finish,
-                     tracked.num_prompt_tokens, progress.num_output_tokens)
+                     tracked.num_prompt_tokens, progress.num_output_tokens, index=progress.index)
 
-    def _log_finished(self, progress: RequestProgress, tracked: _Tracked, now: float) -> None:
+    def _log_finished(self, req_id: str, tracked: _Tracked, now: float) -> None:
         ttft = (tracked.first_token - tracked.arrival) if tracked.first_token else 0.0
-        n = progress.num_output_tokens
+        n = tracked.sent_tokens
         decode_time = now - tracked.first_token if tracked.first_token else 0.0
-        rate = (n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0
+        rate = (n - len(tracked.choices)) / decode_time if n > 1 and decode_time > 0 else 0.0
+        reasons = ",".join(c.finish_reason or "?" for c in tracked.choices)
         log.info("%s: %d prompt + %d completion tokens, TTFT %.1f ms, %.1f tok/s, finish %s",
-                 progress.req_id, tracked.num_prompt_tokens, n, ttft * 1e3, rate,
-                 progress.finish_reason)
+                 req_id, tracked.num_prompt_tokens, n, ttft * 1e3, rate, reasons)
 
 
 def _deliver(items: list[tuple[RequestStream, Delta]]) -> None:

@@ -122,7 +122,8 @@ class _Sampling(_Strict):
     top_k: StrictInt = Field(default=-1, ge=-1)
     seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: StrictInt = 1
+    n: StrictInt | None = 1
+    """Choices per request (``null``: 1, as OpenAI's API documents it); see ``check_n``."""
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -176,9 +177,14 @@ class _Sampling(_Strict):
         except (TypeError, ValueError) as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
 
-    def check_n(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n: only n=1 is supported, got {self.n}", param="n")
+    def check_n(self, max_n: int) -> None:
+        """``n`` (an int or null already: the schema is strict) in ``[1, max_n]``, else a
+        400 naming it."""
+        if self.n is None:
+            self.n = 1
+        if not 1 <= self.n <= max_n:
+            raise APIError(400, f"n must be an int in [1, {max_n}] (this server's --max-n), "
+                                f"got {self.n}", param="n")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -192,7 +198,7 @@ class _Sampling(_Strict):
                 ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or [],
                 min_tokens=self.min_tokens, repetition_penalty=self.repetition_penalty,
                 logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                structured_output=structured_output)
+                structured_output=structured_output, n=self.n)
         except (TypeError, ValueError) as exc:
             # SamplingParams' messages start with the field they are about
             field = str(exc).split(" ", 1)[0]

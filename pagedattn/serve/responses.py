@@ -1,5 +1,7 @@
 """OpenAI response bodies: completions, chat completions (whole and as stream chunks),
-their logprobs blocks and usage."""
+their logprobs blocks and usage. A request with ``n`` choices answers with ``n`` entries
+in ``choices`` (``index`` 0 to n - 1); each stream chunk carries the one choice it is
+about; usage counts the prompt once and the completion tokens of every choice."""
 
 from __future__ import annotations
 
@@ -19,6 +21,30 @@ def sse(obj: dict[str, Any] | str) -> str:
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+@dataclass
+class Choice:
+    """What a handler has gathered of one choice: its text and logprobs blocks per delta,
+    and its end."""
+
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[dict | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    offset: int = 0
+    """Characters of text so far (the completions logprobs' ``text_offset``)."""
+
+    def add(self, kind: "Kind", tokenizer, delta: Delta) -> dict | None:
+        """Take ``delta`` in; returns its logprobs block (``None`` if not asked for)."""
+        logprobs = kind.logprobs(tokenizer, delta, self.offset)
+        self.texts.append(delta.text)
+        self.logprobs.append(logprobs)
+        self.offset += len(delta.text)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.num_output_tokens = delta.num_output_tokens
+        return logprobs
 
 
 @dataclass
@@ -65,18 +91,24 @@ class Kind:
 
     # ------------------------------------------------------------------ bodies
 
-    def whole(self, text: str, finish: str, logprobs: dict | None, prompt: int,
-              completion: int) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._head(False), "choices": [choice], "usage": usage(prompt, completion)}
+    def whole(self, choices: list[Choice], prompt: int) -> dict[str, Any]:
+        """The whole answer: ``choices`` in index order, usage summed over them."""
+        out = []
+        for index, c in enumerate(choices):
+            choice: dict[str, Any] = {"index": index,
+                                      "logprobs": merge_logprobs(c.logprobs, self.chat),
+                                      "finish_reason": c.finish_reason}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": "".join(c.texts)}
+            else:
+                choice["text"] = "".join(c.texts)
+            out.append(choice)
+        completion = sum(c.num_output_tokens for c in choices)
+        return {**self._head(False), "choices": out, "usage": usage(prompt, completion)}
 
     def chunk(self, text: str | None, finish: str | None, logprobs: dict | None,
-              role: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+              role: bool = False, index: int = 0) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
