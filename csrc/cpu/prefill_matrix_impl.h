@@ -70,6 +70,13 @@ inline void prefetch_bytes(const void* p, int64_t bytes, bool write) {
   }
 }
 
+// softmax_tile's callbacks: rescore(r0) and each_row() (prefill_matrix_impl.h).
+template <class Rescore, class EachRow>
+struct SoftmaxHooks {
+  const Rescore& rescore;
+  const EachRow& each_row;
+};
+
 template <class VO, class T, class C>
 struct MatrixPrefill {
   using V = typename VO::V;
@@ -137,33 +144,43 @@ struct MatrixPrefill {
     }
   }
 
-  // Requests the cache rows (K and V) of tile t's keys within vis into L2: an item that
-  // packs its own tiles asks for the next tile's rows before its GEMMs of this one, whose
-  // time then hides their misses (the rows of a shared prefix are cold: every step reads
-  // them once).
-  static void prefetch_tile_rows(const AttnParams& p, int req, int h, int64_t t, int NK,
-                                 KeyRange vis) {
-    const int64_t BS = p.block_size;
-    const int32_t* bt = p.block_table + req * p.bt_stride;
-    const int64_t first = std::max(t * NK, vis.first), last = std::min((t + 1) * NK - 1, vis.last);
-    const int64_t row_bytes = int64_t{p.head_size} * sizeof(C);
-    for (int64_t key = first; key <= last;) {
-      // Keys of one block are consecutive rows of each cache.
-      const int64_t run = std::min(last + 1, (key / BS + 1) * BS) - key;
-      const int64_t off = (key % BS) * p.k_stride_tok;
-      const int64_t blk = bt[key / BS];
-      const char* k = reinterpret_cast<const char*>(static_cast<const C*>(p.k_cache) +
-                                                    h * p.k_stride_head + blk * p.k_stride_block + off);
-      const char* v = reinterpret_cast<const char*>(static_cast<const C*>(p.v_cache) +
-                                                    h * p.v_stride_head + blk * p.v_stride_block +
-                                                    (key % BS) * p.v_stride_tok);
-      for (int64_t b = 0; b < run * row_bytes; b += 64) {
-        prefetch_l2(k + b);
-        prefetch_l2(v + b);
+  // The cache rows (K and V) of one tile's keys within vis, requested into L2 a few keys
+  // at a time: an item that packs its own tiles asks for the next tile's rows while it
+  // works on this one (the rows of a shared prefix are cold: every step reads them once).
+  // Requested all at once they stall the core as soon as its miss buffers fill (a tile is
+  // a thousand lines); spread over the tile's softmax rows they arrive behind its work.
+  struct RowPrefetch {
+    const AttnParams* p = nullptr;
+    const int32_t* bt = nullptr;
+    const C *kbase = nullptr, *vbase = nullptr;
+    int64_t next = 0, last = -1;  // keys still to request
+    int64_t per_tick = 0;
+
+    RowPrefetch() = default;
+    RowPrefetch(const AttnParams& params, int req, int h, int64_t t, int NK, KeyRange vis)
+        : p(&params), bt(params.block_table + req * params.bt_stride),
+          kbase(static_cast<const C*>(params.k_cache) + h * params.k_stride_head),
+          vbase(static_cast<const C*>(params.v_cache) + h * params.v_stride_head),
+          next(std::max(t * NK, vis.first)), last(std::min((t + 1) * NK - 1, vis.last)) {}
+    // Spreads the keys left over `ticks` ticks.
+    void pace(int ticks) { per_tick = ticks > 0 ? (last - next + ticks) / ticks : last - next + 1; }
+    void issue(int64_t keys) {
+      const int64_t BS = p->block_size, row_bytes = int64_t{p->head_size} * sizeof(C);
+      for (const int64_t end = std::min(last + 1, next + keys); next < end; ++next) {
+        const int64_t blk = bt[next / BS], tok = next % BS;
+        const char* k = reinterpret_cast<const char*>(kbase + blk * p->k_stride_block +
+                                                      tok * p->k_stride_tok);
+        const char* v = reinterpret_cast<const char*>(vbase + blk * p->v_stride_block +
+                                                      tok * p->v_stride_tok);
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          prefetch_l2(k + b);
+          prefetch_l2(v + b);
+        }
       }
-      key += run;
     }
-  }
+    void tick() { if (next <= last) issue(per_tick); }
+    void all() { issue(last - next + 1); }
+  };
 
   static KeyRange request_keys(const AttnParams& p, int req) {
     return request_key_range(p, p.query_start_loc[req + 1] - int64_t{p.query_start_loc[req]},
@@ -315,6 +332,7 @@ struct MatrixPrefill {
     const KeyRange vis = shared ? KeyRange{rows.ulo, rows.uhi} : request_keys(p, it.req);
     const int64_t ntiles = rows.ulo <= rows.uhi ? rows.uhi / NK - rows.ulo / NK + 1 : 0;
     OutputPrefetch out_prefetch(p, it, ntiles);
+    RowPrefetch ahead;  // the next tile's rows, where this item packs its own
     for (int64_t t = rows.ulo / NK; rows.ulo <= rows.uhi && t <= rows.uhi / NK; ++t) {
       const int64_t key0 = t * NK;
       const E* kt;
@@ -329,10 +347,13 @@ struct MatrixPrefill {
         v_nonfinite = p.packed->v_nonfinite[idx] != 0;
       } else {
         MatrixPhaseTimer timer(p.matrix, MatrixPhase::kTilePack);
-        if (t == rows.ulo / NK) prefetch_tile_rows(p, it.req, it.kv_head, t, NK, vis);
+        if (t == rows.ulo / NK) RowPrefetch(p, it.req, it.kv_head, t, NK, vis).all();
         v_nonfinite = pack_tile<E>(p, it.req, it.kv_head, t, NK, vis, b.tile, b.conv);
         kt = b.tile;
-        if (t < rows.uhi / NK) prefetch_tile_rows(p, it.req, it.kv_head, t + 1, NK, vis);
+        if (t < rows.uhi / NK) {
+          ahead = RowPrefetch(p, it.req, it.kv_head, t + 1, NK, vis);
+          ahead.pace(R);
+        }
       }
       const E* vt = kt + int64_t{NK} * D;
       // The item's last tile (the diagonal of a causal prefill) runs only the keys up to
@@ -356,11 +377,14 @@ struct MatrixPrefill {
       {
         MatrixPhaseTimer timer(p.matrix, MatrixPhase::kSoftmax);
         // A block whose one pass found a row's max moved gets its scores again: its
-        // probabilities overwrote them.
+        // probabilities overwrote them. Each row requests a share of the next tile's.
         const auto rescore = [&](int r0) { scores(r0, W); };
+        const auto each_row = [&] { ahead.tick(); };
         // nk columns: the PV GEMM reads no probability past them
         softmax_tile(p, tr, it.kv_head * G, G, b.S, lds, P, key0, nk, full,
-                     rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block, rescore);
+                     rows, R, b.acc, acc_ready, D, !kBf16 || by_row, block,
+                     SoftmaxHooks<decltype(rescore), decltype(each_row)>{rescore, each_row});
+        ahead.all();  // rows the softmax skipped, if any
       }
       out_prefetch.step();
       if (by_row) {
@@ -427,14 +451,15 @@ struct MatrixPrefill {
   // Blocks of W rows that all have a running max, under the plain scale, take one pass:
   // their probabilities against the max the rows already have (row_exp<true>: masks
   // inline, the logits only checked against that max). Where a row's would move it
-  // (rare after a row's first tile), rescore(r0) computes the block's scores again (its
-  // probabilities overwrote them) and the block takes the two passes.
+  // (rare after a row's first tile), hooks.rescore(r0) computes the block's scores again
+  // (its probabilities overwrote them) and the block takes the two passes.
+  // hooks.each_row() runs after each row's probabilities (the next tile's prefetch).
   // block: 64 + W * W floats, 64-byte aligned.
-  template <class Rescore>
+  template <class Hooks>
   static void softmax_tile(const AttnParams& p, const ScoreTransform<VO>& tr, int head0, int G,
                            float* S, int lds, bf16_t* P, int64_t key0, int NK, bool full,
                            const Rows& rows, int R, float* acc, bool acc_ready, int D,
-                           bool keep_f32, float* block, const Rescore& rescore) {
+                           bool keep_f32, float* block, const Hooks& hooks) {
     float* mx = block;             // [W] each row's tile max (scaled)
     float* mu = block + W;         // [W]
     float* corr = block + 2 * W;   // [W]
@@ -449,12 +474,13 @@ struct MatrixPrefill {
           keys_in_tile(rows.lo[r], rows.hi[r], key0, NK, &tl, &th);
           sums[i] = row_exp<true>(p, tr, S + r * lds, P != nullptr ? P + 2 * r * lds : nullptr,
                                   NK, tl, th, rows.m[r], keep_f32, full, &kept);
+          hooks.each_row();
         }
         if (kept) {
           VO::store(rows.l + r0, VO::add(VO::load(rows.l + r0), VO::reduce_lanes(sums)));
           continue;
         }
-        rescore(r0);
+        hooks.rescore(r0);
       }
       int vis_lo[W], vis_hi[W];
       for (int i = 0; i < W; ++i) {
@@ -475,6 +501,7 @@ struct MatrixPrefill {
         sums[i] = i < n ? row_exp<false>(p, tr, S + r * lds, P != nullptr ? P + 2 * r * lds : nullptr,
                                          NK, vis_lo[i], vis_hi[i], mu[i], keep_f32, full)
                         : VO::zero();
+        if (i < n) hooks.each_row();
       }
       VO::store(rows.l + r0, VO::fma(VO::load(rows.l + r0), ms.corr, VO::reduce_lanes(sums)));
       VO::store(rows.m + r0, ms.m);
