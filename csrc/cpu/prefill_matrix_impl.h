@@ -165,6 +165,7 @@ struct MatrixPrefill {
     // Spreads the keys left over `ticks` ticks.
     void pace(int ticks) { per_tick = ticks > 0 ? (last - next + ticks) / ticks : last - next + 1; }
     void issue(int64_t keys) {
+      if (next > last) return;  // nothing (left) to request, or none set up
       const int64_t BS = p->block_size, row_bytes = int64_t{p->head_size} * sizeof(C);
       for (const int64_t end = std::min(last + 1, next + keys); next < end; ++next) {
         const int64_t blk = bt[next / BS], tok = next % BS;
@@ -178,7 +179,7 @@ struct MatrixPrefill {
         }
       }
     }
-    void tick() { if (next <= last) issue(per_tick); }
+    void tick() { issue(per_tick); }
     void all() { issue(last - next + 1); }
   };
 
