@@ -148,8 +148,8 @@ M = TypeVar("M")
 @dataclass(frozen=True)
 class ModelAttention:
     """What an engine tells a backend about a model when it loads it (see
-    :meth:`AttentionBackend.prepare_for_model`). ``batch_invariant`` is the engine's
-    option, passed through as a value."""
+    :meth:`AttentionBackend.prepare_for_model`). ``batch_invariant`` and
+    ``shared_prefix_attention`` are the engine's options, passed through as values."""
 
     num_heads: int
     num_kv_heads: int
@@ -160,6 +160,7 @@ class ModelAttention:
     attn_type: str
     sliding_window: int | None = None
     batch_invariant: bool = False
+    shared_prefix_attention: bool = True
 
 
 @dataclass(frozen=True)

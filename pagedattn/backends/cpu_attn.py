@@ -69,11 +69,18 @@ class CPUAttentionBackend(AttentionBackend):
     @classmethod
     def prepare_for_model(cls, model: ModelAttention) -> ModelPreparation:
         """Batch-invariant engines get batch-invariant plans (the builder's
-        ``batch_invariant``); other models need nothing prepared."""
+        ``batch_invariant``, which share no prefix); an engine that switched
+        ``shared_prefix_attention`` off gets plans that read every request's keys
+        itself (``share_prefixes``); other models need nothing prepared."""
         if model.batch_invariant:
             return ModelPreparation(
                 {"batch_invariant": True},
-                ("attention batch-invariant: vector kernels, no key splits",))
+                ("attention batch-invariant: vector kernels, no key splits, no shared "
+                 "prefixes",))
+        if not model.shared_prefix_attention:
+            return ModelPreparation(
+                {"share_prefixes": False},
+                ("attention: shared prefixes off (each request reads its own keys)",))
         return ModelPreparation()
 
     @classmethod
@@ -145,7 +152,9 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
     """Builds :class:`CPUAttentionMetadata`: the step's kernel plan, once per step.
 
     ``batch_invariant=True`` plans so that a row's result does not depend on the rest of
-    the step (vector kernels, no key splits).
+    the step (vector kernels, no key splits, no shared prefixes). ``share_prefixes``
+    (default ``True``): requests whose block tables begin with the same blocks have those
+    keys read once for all of them; ``False`` plans every request alone.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
@@ -157,11 +166,15 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         vllm_config: BuilderConfig,
         device: torch.device,
         batch_invariant: bool = False,
+        share_prefixes: bool = True,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if not isinstance(batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        for name, value in (("batch_invariant", batch_invariant),
+                            ("share_prefixes", share_prefixes)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
         self.batch_invariant = batch_invariant
+        self.share_prefixes = share_prefixes and not batch_invariant
         # Decodes first: the runner moves requests with query_len <= 1 to the front.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         parallel_config = vllm_config.parallel_config
@@ -192,7 +205,8 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         planner's rule says reading that prefix once pays (:func:`cpu_runtime.
         shared_prefix_pays`). Without it, :meth:`build` still finds shared prefixes in the
         block table."""
-        return cpu_runtime.shared_prefix_pays(common_prefix_len, query_lens, self.batch_invariant)
+        return self.share_prefixes and cpu_runtime.shared_prefix_pays(
+            common_prefix_len, query_lens, self.batch_invariant)
 
     def build(
         self,
@@ -217,11 +231,13 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         # Requests whose block tables begin with the same blocks share those keys' reads
         # (found in the table; a common_prefix_len from the cascade interface is taken as
         # a prefix of the whole batch).
+        sharing = self.share_prefixes
         scheduler_metadata = cpu_runtime.plan_step(
             self.plan_geometry, self.isa, query_start_loc, seq_lens, causal,
-            self.batch_invariant, block_table=block_table, block_size=self.block_size,
-            common_prefix_len=0 if self.batch_invariant or self.is_cross_attention
-            else common_prefix_len)
+            self.batch_invariant, block_table=block_table if sharing else None,
+            block_size=self.block_size,
+            common_prefix_len=common_prefix_len if sharing and not self.is_cross_attention
+            else 0)
         return CPUAttentionMetadata(
             isa=self.isa,
             num_actual_tokens=cm.num_actual_tokens,

@@ -102,6 +102,12 @@ class EngineArgs:
             independent of the row count. Its measured cost is in docs/engine.md.
             Needs ``linear_impl`` ``"auto"`` or ``"packed"`` and a backend that offers it
             (CPU_ATTN).
+        shared_prefix_attention: ``True``: where the step's requests hold a prefix in the
+            same KV blocks (a shared system prompt with prefix caching, the ``n`` samples of
+            one prompt), a backend that can reads those keys once for all of them (CPU_ATTN:
+            docs/kernels.md, "Shared prefixes"); the results are the same within the
+            dtype's rounding. ``False``: every request reads its own copy of the keys, as
+            other engines do (for comparisons). Batch-invariant plans never share.
         backend: attention backend name (default: the registry's choice).
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV cache pool (int, or ``"512MiB"``).
@@ -143,6 +149,7 @@ class EngineArgs:
     linear_dtype: str | torch.dtype | None = None
     prefill_attention: str = "auto"
     batch_invariant: bool = False
+    shared_prefix_attention: bool = True
     backend: str | None = None
     block_size: int = 16
     kv_cache_memory: int | str = "512MiB"
@@ -184,7 +191,7 @@ class EngineArgs:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             require_int(name, getattr(self, name), 1)
         require_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        for name in ("huge_pages", "native_step", "adaptive_threads"):
+        for name in ("huge_pages", "native_step", "adaptive_threads", "shared_prefix_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         require_int("seed", self.seed, 0)

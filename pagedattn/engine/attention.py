@@ -79,7 +79,8 @@ def build_attention(args: EngineArgs, geo: AttentionGeometry, max_model_len: int
         num_heads=geo.num_heads, num_kv_heads=geo.num_kv_heads, head_size=geo.head_dim,
         dtype=args.dtype, cache_dtype=args.cache_dtype, block_size=args.block_size,
         attn_type=geo.attn_type, sliding_window=geo.cache_window,
-        batch_invariant=args.batch_invariant))
+        batch_invariant=args.batch_invariant,
+        shared_prefix_attention=args.shared_prefix_attention))
     builder = backend_cls.get_builder_cls()(spec, names, builder_config, torch.device("cpu"),
                                             **prepared.builder_kwargs)
     scale = geo.head_dim ** -0.5 if geo.scale is None else geo.scale

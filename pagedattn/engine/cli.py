@@ -42,6 +42,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_dtype: str = "bfloa
     g.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens do not depend on its batch-mates, chunking or "
                         "threads (greedy or seeded); costs some speed (docs/engine.md)")
+    g.add_argument("--no-shared-prefix-attention", action="store_true",
+                   help="every request reads its own copy of a prefix it shares with others "
+                        "(default: keys held in the same blocks are read once per step for "
+                        "all of them)")
     g.add_argument("--backend", default=None, help="attention backend (default: registry choice)")
     g.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     g.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory,
@@ -70,7 +74,9 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     fields = dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                   calculate_kv_scales=args.calculate_kv_scales, linear_impl=args.linear_impl,
                   linear_dtype=args.linear_dtype, prefill_attention=args.prefill_attention,
-                  batch_invariant=args.batch_invariant, backend=args.backend,
+                  batch_invariant=args.batch_invariant,
+                  shared_prefix_attention=not args.no_shared_prefix_attention,
+                  backend=args.backend,
                   block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory,
                   max_num_batched_tokens=args.max_num_batched_tokens,
