@@ -322,3 +322,23 @@ def test_cpu_attn_builder_shares_and_answers_the_cascade_question():
     assert not invariant.use_cascade_attention(4096, [1, 1], 8, 8, False, False, False, 0, 1)
     assert header(invariant.build(0, common).scheduler_metadata)["num_groups"] == 0
     assert cpu_runtime.shared_prefix_pays(rule, [3, 1], False)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("feature", ["causal", "everything"])
+def test_a_long_prefix_is_split_over_the_threads(isa, threads, feature):
+    """One kv head, four decodes behind a 2,048-key prefix: fewer shared-prefix jobs than
+    threads, so the group's keys run as several chunks, whose partials the merges fold."""
+    spec = BatchSpec("long", (2100, 2090, 2080, 2200), (1, 1, 1, 2))
+    batch = make_paged_batch(spec, num_heads=4, num_kv_heads=1, head_size=64, block_size=16,
+                             dtype=torch.float32, shared_prefixes=(((0, 1, 2, 3), 128),))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        meta = plan(batch)
+        args = feature_args(feature, 4, 64)
+        got = attend(batch, meta, args)
+    finally:
+        torch.set_num_threads(before)
+    assert prefix_keys(meta, 4) == [2048] * 4
+    assert_matches_reference(got, run_reference(batch, args), torch.float32)

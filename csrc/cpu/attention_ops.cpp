@@ -39,9 +39,12 @@ namespace pagedattn {
 namespace {
 constexpr int64_t kMinSplitKeys = 256;   // below this a split costs more than it balances
 // Shared prefixes (the fewest keys a group shares: kSharedPrefixMinKeys, isa.py): the most
-// query rows (tokens x GQA heads) of one kv head per shared-prefix job. Measured:
-// docs/performance.md, "Shared prefixes".
+// query rows (tokens x GQA heads) of one kv head per shared-prefix job, and the fewest
+// keys of a job where a group's keys are split over jobs (when the group alone has fewer
+// jobs than twice the threads: 3 kv heads on 2 threads left one idle a third of the
+// time). docs/performance.md, "Shared prefixes".
 constexpr int64_t kSharedRowsPerJob = 128;
+constexpr int64_t kMinSharedSplitKeys = 512;
 // Rows per kv head from which a group's shared-prefix jobs run on the matrix engine
 // rather than the vector kernels (same section).
 constexpr int64_t kMatrixMinSharedRows = 16;
@@ -60,20 +63,26 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // of query tokens [q_begin, q_end) of request req, against the whole key range (split -1)
 // or chunk `split` of `nsplit` of the keys past its prefix_keys into partial slot `slot`;
 // or (group >= 0) a shared-prefix job: tokens [q_begin, q_end) of the group's token list
-// (its members' tokens, member by member) against the group's keys, read through the
-// block table of req (the group's representative), into the group's prefix rows. A merge:
-// the nsplit partials of slots [slot, slot + nsplit), rows from row0, of one kv head, and
-// the prefix partial from prefix row prefix_row (-1: none), into the output. A group:
-// its representative, the keys its members share, its members
-// [member_begin, member_begin + num_members) of the member list, their tokens, its first
-// prefix row (rows [kv head][token][GQA head]), and whether its jobs run on the matrix
-// engine.
+// (its members' tokens, member by member) against chunk `split` of the group's `nsplit`
+// key chunks, read through the block table of req (the group's representative), into the
+// group's prefix rows (slot -1). A merge: the nsplit partials of slots
+// [slot, slot + nsplit), rows from row0, of one kv head, and the partials of its group
+// (-1: none) from prefix row prefix_row, into the output. A group: its representative,
+// the keys its members share, its members [member_begin, member_begin + num_members) of
+// the member list, their tokens, its first prefix row (rows [key chunk][kv head][token]
+// [GQA head]), whether its jobs run on the matrix engine, and its key chunks.
 enum JobField : int64_t { kJobReq, kJobKvHead, kJobKvHeads, kJobQBegin, kJobQEnd, kJobSplit,
                           kJobNSplit, kJobSlot, kJobGroup, kJobFields };
 enum MergeField : int64_t { kMergeReq, kMergeKvHead, kMergeQBegin, kMergeQEnd, kMergeSlot,
-                            kMergeNSplit, kMergeRow0, kMergePrefixRow, kMergeFields };
+                            kMergeNSplit, kMergeRow0, kMergeGroup, kMergePrefixRow,
+                            kMergeFields };
 enum GroupField : int64_t { kGroupRep, kGroupKeys, kGroupMemberBegin, kGroupNumMembers,
-                            kGroupTokens, kGroupRowBase, kGroupMatrix, kGroupFields };
+                            kGroupTokens, kGroupRowBase, kGroupMatrix, kGroupSplits,
+                            kGroupFields };
+// Rows of one key chunk of a group's prefix partials: [kv head][token][GQA head].
+int64_t group_chunk_rows(const int32_t* grp, int64_t num_kv_heads, int64_t group) {
+  return num_kv_heads * grp[kGroupTokens] * group;
+}
 
 // Over the whole metadata tensor (its checksum field read as 0) and the lengths it was
 // planned for: a plan is only valid for the step whose lengths it saw.
@@ -287,25 +296,34 @@ StepPlan partition_step(const PlanShape& s, const int32_t* qsl, const int32_t* s
     const int64_t rows = tokens * s.group;  // per kv head
     const bool matrix = s.shared_matrix && rows >= kMatrixMinSharedRows;
     // Token chunks of at most kSharedRowsPerJob rows; halved (to the matrix kernel's
-    // floor) while the group has fewer jobs than threads.
+    // floor) while the group has fewer jobs than threads; then key chunks of at least
+    // kMinSharedSplitKeys keys while it has fewer than twice as many.
     int64_t chunk = std::max<int64_t>(1, kSharedRowsPerJob / s.group);
     const int64_t floor_rows = matrix ? kMatrixMinRows : 1;
     while (kvh * ceil_div(tokens, chunk) < s.threads && chunk > 1 &&
            (chunk / 2) * s.group >= floor_rows)
       chunk /= 2;
+    const int64_t jobs_per_split = kvh * ceil_div(tokens, chunk);
+    const int64_t splits =
+        s.enable_kv_split && jobs_per_split < 2 * s.threads
+            ? std::min({ceil_div(2 * s.threads, jobs_per_split), kMaxSplits,
+                        std::max<int64_t>(1, grp.keys / kMinSharedSplitKeys)})
+            : 1;
     plan.groups.push_back({grp.rep, i32(grp.keys), i32(plan.members.size()),
                            i32(grp.members.size()), i32(tokens), i32(plan.prefix_rows),
-                           matrix ? 1 : 0});
+                           matrix ? 1 : 0, i32(splits)});
     plan.members.insert(plan.members.end(), grp.members.begin(), grp.members.end());
-    for (int64_t h = 0; h < kvh; ++h)
-      for (int64_t t = 0; t < tokens; t += chunk) {
-        const int64_t te = std::min(tokens, t + chunk);
-        plan.jobs.push_back({{grp.rep, i32(h), 1, i32(t), i32(te), -1, 1, -1, i32(g)},
-                             (te - t) * s.group * grp.keys});
-        plan.max_rows = std::max(plan.max_rows, (te - t) * s.group);
-        ++shared_jobs;
-      }
-    plan.prefix_rows += kvh * rows;
+    for (int64_t sp = 0; sp < splits; ++sp)
+      for (int64_t h = 0; h < kvh; ++h)
+        for (int64_t t = 0; t < tokens; t += chunk) {
+          const int64_t te = std::min(tokens, t + chunk);
+          plan.jobs.push_back(
+              {{grp.rep, i32(h), 1, i32(t), i32(te), i32(sp), i32(splits), -1, i32(g)},
+               (te - t) * s.group * ceil_div(grp.keys, splits)});
+          plan.max_rows = std::max(plan.max_rows, (te - t) * s.group);
+          ++shared_jobs;
+        }
+    plan.prefix_rows += splits * kvh * rows;
   }
 
   int64_t base_items = std::min(shared_jobs, target);  // counted up to target only
@@ -355,7 +373,8 @@ StepPlan partition_step(const PlanShape& s, const int32_t* qsl, const int32_t* s
                          (token_at[r] + t) * s.group;
           }
           plan.merges.push_back({i32(r), i32(h + k), i32(t), i32(qe), i32(plan.num_slots),
-                                 i32(splits), i32(k * (qe - t) * s.group), i32(prefix_row)});
+                                 i32(splits), i32(k * (qe - t) * s.group),
+                                 member ? i32(group_of[r]) : -1, i32(prefix_row)});
         }
         for (int64_t sp = 0; sp < splits; ++sp)
           plan.jobs.push_back({{i32(r), i32(h), i32(item_heads), i32(t), i32(qe), i32(sp),
@@ -614,7 +633,9 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
     bool ok = rep >= 0 && rep < num_reqs && grp[kGroupKeys] >= 1 && grp[kGroupKeys] <= sl[rep] &&
               first >= 0 && grp[kGroupNumMembers] >= 1 &&
               first + grp[kGroupNumMembers] <= plan.num_members && grp[kGroupRowBase] >= 0 &&
-              grp[kGroupRowBase] + int64_t{grp[kGroupTokens]} * group * num_kv_heads <=
+              grp[kGroupTokens] >= 0 && grp[kGroupSplits] >= 1 &&
+              grp[kGroupSplits] <= kMaxSplits &&
+              grp[kGroupRowBase] + grp[kGroupSplits] * group_chunk_rows(grp, num_kv_heads, group) <=
                   plan.prefix_rows;
     int64_t tokens = 0;
     for (int64_t i = first; ok && i < first + grp[kGroupNumMembers]; ++i) {
@@ -632,35 +653,40 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
     bool ok = r >= 0 && r < num_reqs && j[kJobKvHead] >= 0 && j[kJobKvHeads] >= 1 &&
               j[kJobKvHead] + int64_t{j[kJobKvHeads]} <= num_kv_heads && j[kJobQBegin] >= 0 &&
               j[kJobQBegin] < j[kJobQEnd] && g >= -1 && g < plan.num_groups;
+    const int64_t rows = ok ? int64_t{j[kJobQEnd] - j[kJobQBegin]} * group * j[kJobKvHeads] : 0;
     if (ok && g >= 0) {  // tokens of the group's list; several heads only over all of them
       const int32_t* grp = plan.group(g);
-      ok = r == grp[kGroupRep] && j[kJobQEnd] <= grp[kGroupTokens] && j[kJobSplit] == -1 &&
-           j[kJobSlot] == -1 &&
+      ok = r == grp[kGroupRep] && j[kJobQEnd] <= grp[kGroupTokens] &&
+           j[kJobNSplit] == grp[kGroupSplits] && j[kJobSplit] >= 0 &&
+           j[kJobSplit] < j[kJobNSplit] && j[kJobSlot] == -1 && rows <= plan.max_rows &&
            (j[kJobKvHeads] == 1 || (j[kJobQBegin] == 0 && j[kJobQEnd] == grp[kGroupTokens]));
     } else if (ok) {
-      ok = j[kJobQEnd] <= qsl[r + 1] - int64_t{qsl[r]} && j[kJobQEnd] - j[kJobQBegin] <= plan.tile;
+      ok = j[kJobQEnd] <= qsl[r + 1] - int64_t{qsl[r]} &&
+           j[kJobQEnd] - j[kJobQBegin] <= plan.tile && rows <= plan.max_rows &&
+           (j[kJobSplit] == -1 ? j[kJobSlot] == -1
+                               : j[kJobSplit] >= 0 && j[kJobSplit] < j[kJobNSplit] &&
+                                     j[kJobNSplit] <= kMaxSplits && j[kJobSlot] >= 0 &&
+                                     j[kJobSlot] < plan.num_slots && rows <= plan.slot_rows);
     }
-    const int64_t rows = ok ? int64_t{j[kJobQEnd] - j[kJobQBegin]} * group * j[kJobKvHeads] : 0;
-    ok = ok && rows <= plan.max_rows &&
-         (j[kJobSplit] == -1 ? j[kJobSlot] == -1
-                             : j[kJobSplit] >= 0 && j[kJobSplit] < j[kJobNSplit] &&
-                                   j[kJobNSplit] <= kMaxSplits && j[kJobSlot] >= 0 &&
-                                   j[kJobSlot] < plan.num_slots && rows <= plan.slot_rows);
     TORCH_CHECK_VALUE(ok, "scheduler_metadata is corrupt (job ", i, " out of range)");
   }
   for (int64_t i = 0; i < plan.num_merges; ++i) {
     const int32_t* m = plan.merges + i * kMergeFields;
-    const int64_t r = m[kMergeReq];
+    const int64_t r = m[kMergeReq], g = m[kMergeGroup];
     const int64_t rows = int64_t{m[kMergeQEnd]} - m[kMergeQBegin];
-    const bool ok =
+    bool ok =
         r >= 0 && r < num_reqs && m[kMergeKvHead] >= 0 && m[kMergeKvHead] < num_kv_heads &&
         m[kMergeQBegin] >= 0 && m[kMergeQBegin] < m[kMergeQEnd] &&
         m[kMergeQEnd] <= qsl[r + 1] - int64_t{qsl[r]} && m[kMergeNSplit] >= 1 &&
         m[kMergeNSplit] <= kMaxSplits && m[kMergeSlot] >= 0 &&
         m[kMergeSlot] + int64_t{m[kMergeNSplit]} <= plan.num_slots && m[kMergeRow0] >= 0 &&
-        m[kMergeRow0] + rows * group <= plan.slot_rows &&
-        (m[kMergePrefixRow] == -1 ||
-         (m[kMergePrefixRow] >= 0 && m[kMergePrefixRow] + rows * group <= plan.prefix_rows));
+        m[kMergeRow0] + rows * group <= plan.slot_rows && g >= -1 && g < plan.num_groups;
+    if (ok && g >= 0) {  // the group's chunks' partials of these rows, one chunk apart
+      const int32_t* grp = plan.group(g);
+      ok = m[kMergePrefixRow] >= 0 &&
+           m[kMergePrefixRow] + (grp[kGroupSplits] - 1) * group_chunk_rows(grp, num_kv_heads, group) +
+                   rows * group <= plan.prefix_rows;
+    }
     TORCH_CHECK_VALUE(ok, "scheduler_metadata is corrupt (merge ", i, " out of range)");
   }
   return plan;
@@ -672,7 +698,12 @@ CheckedPlan check_plan(const at::Tensor& meta_c, int64_t num_reqs, int64_t num_h
 // group's keys (prefix_keys). A shared-prefix job covers the group's keys.
 std::pair<int64_t, int64_t> job_keys(const AttnParams& p, const CheckedPlan& plan,
                                      const int32_t* j) {
-  if (j[kJobGroup] >= 0) return {0, plan.group(j[kJobGroup])[kGroupKeys]};
+  if (j[kJobGroup] >= 0) {  // chunk `split` of the group's keys, in steps of 64
+    const int64_t keys = plan.group(j[kJobGroup])[kGroupKeys];
+    const int64_t chunk = ceil_div(ceil_div(keys, j[kJobNSplit]), 64) * 64;
+    const int64_t a = std::min(keys, j[kJobSplit] * chunk);
+    return {a, std::min(keys, a + chunk)};
+  }
   const int64_t r = j[kJobReq], kv_len = p.seq_lens[r], skip = plan.prefix_keys(r);
   if (j[kJobSplit] < 0) return {skip, kv_len};
   KeyRange vis =
@@ -1006,8 +1037,9 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
         const auto keys = job_keys(p, plan, j);
         if (j[kJobGroup] >= 0) {
           const int32_t* grp = plan.group(j[kJobGroup]);
-          const int64_t row = grp[kGroupRowBase] + j[kJobKvHead] * grp[kGroupTokens] * G +
-                              j[kJobQBegin] * G;
+          const int64_t row = grp[kGroupRowBase] +
+                              j[kJobSplit] * group_chunk_rows(grp, p.num_kv_heads, G) +
+                              j[kJobKvHead] * grp[kGroupTokens] * G + j[kJobQBegin] * G;
           WorkItem item{j[kJobReq], j[kJobKvHead], 0, j[kJobQEnd] - j[kJobQBegin],
                         static_cast<int32_t>(keys.first), static_cast<int32_t>(keys.second),
                         prefix_out + row * hs, prefix_lse + row, j[kJobKvHeads],
@@ -1038,9 +1070,12 @@ void execute_plan(const AttnParams& p, const CheckedPlan& plan, int64_t head_siz
       const int64_t prefix_row = m[kMergePrefixRow];
       WorkItem item{m[kMergeReq], m[kMergeKvHead], m[kMergeQBegin], m[kMergeQEnd], 0,
                     p.seq_lens[m[kMergeReq]], part_out + row0 * hs, part_lse + row0, 1};
-      if (prefix_row >= 0) {
+      if (m[kMergeGroup] >= 0) {
+        const int32_t* grp = plan.group(m[kMergeGroup]);
         item.prefix_out = prefix_out + prefix_row * hs;
         item.prefix_lse = prefix_lse + prefix_row;
+        item.prefix_parts = grp[kGroupSplits];
+        item.prefix_part_rows = group_chunk_rows(grp, p.num_kv_heads, G);
       }
       kt->merge(p, item, m[kMergeNSplit], plan.slot_rows * hs, plan.slot_rows);
     }

@@ -673,8 +673,9 @@ struct AttnKernel {
     if (ms.moved) rescale<VO>(acc, W, D / W, VO::set1(ms.corr));
   }
 
-  // Log-sum-exp merge of nsplit partials, the shared-prefix partial where the item has
-  // one (it.prefix_out / prefix_lse, rows as part_out's), and the sink, into the output rows.
+  // Log-sum-exp merge of nsplit partials, the shared-prefix partials where the item has
+  // them (it.prefix_out / prefix_lse, rows as part_out's, prefix_parts of them
+  // prefix_part_rows rows apart), and the sink, into the output rows.
   static void merge(const AttnParams& p, const WorkItem& it, int nsplit, int64_t split_stride,
                     int64_t lse_stride) {
     const int D = p.head_size;
@@ -682,13 +683,15 @@ struct AttnKernel {
     const int64_t qs = p.query_start_loc[it.req];
     const int Rh = (it.q_end - it.q_begin) * G;
     const int R = it.heads() * Rh;
-    // Partial s < nsplit: split s; s == nsplit: the shared prefix.
-    const int nparts = nsplit + (it.prefix_out != nullptr ? 1 : 0);
+    // Partial s < nsplit: split s; s >= nsplit: the shared prefix's chunk s - nsplit.
+    const int nparts = nsplit + (it.prefix_out != nullptr ? it.prefix_parts : 0);
     const auto lse_of = [&](int s, int r) {
-      return s < nsplit ? it.part_lse[s * lse_stride + r] : it.prefix_lse[r];
+      return s < nsplit ? it.part_lse[s * lse_stride + r]
+                        : it.prefix_lse[(s - nsplit) * it.prefix_part_rows + r];
     };
     const auto out_of = [&](int s, int r) {
-      return s < nsplit ? it.part_out + s * split_stride + r * D : it.prefix_out + r * D;
+      return s < nsplit ? it.part_out + s * split_stride + r * D
+                        : it.prefix_out + ((s - nsplit) * it.prefix_part_rows + r) * D;
     };
     for (int r = 0; r < R; ++r) {
       const int h = row_head(it, r, Rh, G);
@@ -700,7 +703,7 @@ struct AttnKernel {
         continue;
       }
       float denom = p.sink != nullptr ? std::exp(p.sink[h] - mx) : 0.f;
-      float wts[kMaxSplits + 1];
+      float wts[2 * kMaxSplits];
       for (int s = 0; s < nparts; ++s) {
         const float lse = lse_of(s, r);
         wts[s] = lse == kNegInf ? 0.f : std::exp(lse - mx);

@@ -112,8 +112,9 @@ struct PrefixToken {
 // whose block tables begin with the same blocks against those keys, [kv_begin, kv_end):
 // token t of the item is tokens[t] (q_begin = 0), and req is the group's representative,
 // whose block table the item reads. It always writes a partial result (part_out), which
-// each member's merge folds with its own keys' partial (prefix_out / prefix_lse: the
-// member rows' shared-prefix partial, read by merges only).
+// each member's merge folds with its own keys' partials (prefix_out / prefix_lse: the
+// member rows' shared-prefix partials, prefix_parts of them (the group's key chunks)
+// prefix_part_rows rows apart; read by merges only).
 struct WorkItem {
   int32_t req, kv_head;
   int32_t q_begin, q_end;
@@ -124,6 +125,8 @@ struct WorkItem {
   const PrefixToken* tokens = nullptr;
   const float* prefix_out = nullptr;
   const float* prefix_lse = nullptr;
+  int32_t prefix_parts = 0;
+  int64_t prefix_part_rows = 0;
   int heads() const { return kv_heads > 1 ? kv_heads : 1; }
 };
 
