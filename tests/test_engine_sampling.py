@@ -326,3 +326,39 @@ def test_n_sequences_survive_preemption(smollm2):
     assert engine.scheduler.num_preemptions > before
     assert [c.token_ids for c in out.outputs] == [one.token_ids] * 4
     assert _idle(engine)
+
+
+def test_rows_drawn_together_follow_their_distribution_and_their_own_generator():
+    """Temperature-only rows are drawn in one pass (softmax, cumulative sum, one uniform of
+    each row's generator): each row's draws follow its softmax at its temperature (a
+    token of probability 0 never comes), a row's draw does not depend on its
+    batch-mates, and a seeded generator repeats it."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, float("-inf")], [0.0, 0.0, 3.0, 1.0]])
+    reqs = [_req(temperature=1.0), _req(temperature=0.5)]
+    counts = torch.zeros(2, 4)
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    draws = 4000
+    for _ in range(draws):
+        for row, token in enumerate(sample(logits.clone(), reqs, gens).tokens):
+            counts[row, token] += 1
+    want = torch.stack([torch.softmax(logits[0], -1), torch.softmax(logits[1] / 0.5, -1)])
+    assert counts[0, 3] == 0
+    # each frequency within 5 standard deviations of its probability
+    sd = (want * (1 - want) / draws).sqrt()
+    assert ((counts / draws - want).abs() <= 5 * sd + 1e-9).all(), (counts / draws, want)
+    # alone or beside another row, with the same seed: the same token
+    alone = [sample(logits[1:].clone(), [reqs[1]], [torch.Generator().manual_seed(s)]).tokens[0]
+             for s in range(20)]
+    paired = [sample(logits.clone(), reqs, [torch.Generator().manual_seed(99),
+                                            torch.Generator().manual_seed(s)]).tokens[1]
+              for s in range(20)]
+    assert alone == paired and len(set(alone)) > 1
+
+
+def test_a_row_drawn_together_with_no_drawable_token_fails_alone():
+    logits = torch.tensor([[float("nan")] * 4, [0.0, 5.0, 0.0, 0.0]])
+    reqs = [_req(temperature=1.0), _req(temperature=1.0)]
+    reqs[0].req_id = "bad"
+    out = sample(logits, reqs, [torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)])
+    assert out.tokens[0] is None and "no token can be drawn" in reqs[0].failure
+    assert out.tokens[1] is not None and reqs[1].failure is None

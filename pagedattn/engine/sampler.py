@@ -4,10 +4,14 @@ Before picking, :func:`apply_logits_processors` applies the per-request rules th
 depend on what the request has seen: the repetition penalty and ``min_tokens`` (which
 bans the tokens that would stop it early).
 
-Each row is processed on its own: an exception while processing or picking one request's
-token fails that request alone (its entry in ``SamplerOutput.tokens`` is ``None`` and
-``Request.failure`` says why; the engine finishes it with ``error``), and the other rows
-of the batch get their tokens.
+Rows that need nothing but their pick go together: greedy rows through one argmax, and
+rows sampled at a temperature alone (no top-k, top-p, penalty, ``min_tokens`` ban,
+logprobs or grammar) through one softmax and one cumulative sum, each drawing its token
+by inverting that distribution at one uniform number of its own generator
+(:func:`_draw_rows`). The others are processed a row at a time. An exception while
+processing or picking one request's token fails that request alone (its entry in
+``SamplerOutput.tokens`` is ``None`` and ``Request.failure`` says why; the engine
+finishes it with ``error``), and the other rows of the batch get their tokens.
 """
 
 from __future__ import annotations
@@ -141,6 +145,31 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list[Request]) -> set[int]:
     return failed
 
 
+def _temperature_only(req: Request) -> bool:
+    """Whether ``req``'s pick is a draw at its temperature from the full distribution."""
+    p = req.sampling_params
+    return (not p.greedy and p.top_p >= 1.0 and p.top_k <= 0 and p.logprobs is None
+            and req.grammar is None and not _needs_processing(req))
+
+
+def _draw_rows(logits: torch.Tensor, reqs: list[Request],
+               generators: list[torch.Generator | None]) -> list[int | None]:
+    """One draw per row at its request's temperature, all rows in one softmax and one
+    cumulative sum: token = the first whose cumulative probability passes ``u x total``,
+    ``u`` uniform in [0, 1) from the row's generator (exactly the softmax's distribution;
+    a token of probability 0 is never drawn). ``None`` where the row has no drawable
+    token (its probabilities do not sum to a positive finite number): the caller's
+    per-row path then says why."""
+    temps = torch.tensor([r.sampling_params.temperature for r in reqs], dtype=torch.float32)
+    cdf = torch.softmax(logits.float() / temps[:, None], dim=-1).cumsum_(dim=-1)
+    total = cdf[:, -1]
+    u = torch.stack([torch.rand((), generator=g) for g in generators])
+    picks = torch.searchsorted(cdf, (u * total)[:, None], right=True)[:, 0]
+    picks.clamp_(max=logits.shape[-1] - 1)
+    ok = torch.isfinite(total) & (total > 0)
+    return [int(t) if good else None for t, good in zip(picks.tolist(), ok.tolist())]
+
+
 def sample(logits: torch.Tensor, reqs: list[Request],
            generators: list[torch.Generator | None]) -> SamplerOutput:
     """One token per row of ``logits`` (``[n, vocab]`` float32), row ``i`` for ``reqs[i]``.
@@ -154,12 +183,27 @@ def sample(logits: torch.Tensor, reqs: list[Request],
         for i in failed:
             tokens[i] = None
         return SamplerOutput(tokens, [None] * len(reqs))
+    drawn: dict[int, int] = {}
+    together = [i for i, r in enumerate(reqs) if i not in failed and _temperature_only(r)]
+    if together:
+        try:
+            picks = _draw_rows(logits[together], [reqs[i] for i in together],
+                               [generators[i] for i in together])
+            drawn = {i: t for i, t in zip(together, picks) if t is not None}
+        except Exception:  # noqa: BLE001 - each row then goes its own way, failing alone
+            drawn = {}
+        if len(drawn) + len(failed) == len(reqs):
+            return SamplerOutput([drawn.get(i) for i in range(len(reqs))], [None] * len(reqs))
     logits = logits.float()
     tokens: list[int | None] = []
     logprobs: list[TokenLogprobs | None] = []
     for i, (row, req, gen) in enumerate(zip(logits, reqs, generators)):
         if i in failed:
             tokens.append(None)
+            logprobs.append(None)
+            continue
+        if i in drawn:
+            tokens.append(drawn[i])
             logprobs.append(None)
             continue
         try:
