@@ -4,10 +4,15 @@ and, side by side in the same run, transformers ``generate`` (sdpa, the same GGU
 when a vLLM python is given, vLLM's own CPU engine (in a subprocess, on a Hugging Face
 copy of the GGUF). Also prints the share of pagedattn's step time spent in attention.
 
+W5 and W6 (shared prefixes: 32 chats behind one system prompt, 8 samples of one prompt)
+run with prefix caching on, in a second table: pagedattn, pagedattn with its
+shared-prefix attention off (``shared_prefix_attention=False``) and vLLM's engine.
+
     .venv/bin/python benchmarks/bench_engine.py                 # bf16, 2 threads, 3 repeats
     .venv/bin/python benchmarks/bench_engine.py --scale 0.25 --repeats 1   # quick
     .venv/bin/python benchmarks/bench_engine.py --model gemma3
     .venv/bin/python benchmarks/bench_engine.py --vllm-python /path/to/venv/bin/python
+    .venv/bin/python benchmarks/bench_engine.py --workloads W5,W6 --peers pagedattn,vllm
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import pagedattn  # noqa: F401  (before torch: its OpenMP wait policy, pagedattn
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_workloads import (COLUMNS, PEER_DTYPE_HELP, AttentionClock, measure,  # noqa: E402
-                              peer_dtype, workloads)
+from engine_workloads import (COLUMNS, PEER_DTYPE_HELP, SHARED_COLUMNS,  # noqa: E402
+                              AttentionClock, measure, measure_shared, peer_dtype,
+                              shared_prefix_workloads, workloads)
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
 from pagedattn.models.loader import resolve_model  # noqa: E402
@@ -34,6 +40,14 @@ from pagedattn.models.loader import resolve_model  # noqa: E402
 def pagedattn_peer(llm: LLM):
     def run(prompts, n):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return run
+
+
+def pagedattn_shared_peer(llm: LLM):
+    def run(load, n):
+        llm.generate(load.prompts, SamplingParams(
+            n=load.samples, temperature=load.temperature, seed=load.seed, max_tokens=n,
+            ignore_eos=True))
     return run
 
 
@@ -98,17 +112,18 @@ def export_hf_dir(model: str, path: str) -> str:
     return str(hf_checkpoint_from_gguf(resolve_model(model), path, HF_DIR_NAMES[model]))
 
 
-def vllm_peer_figures(python: str, hf_dir: str, loads, args) -> dict[str, float]:
+def vllm_peer_figures(python: str, hf_dir: str, loads, args, shared: bool = False
+                      ) -> dict[str, float]:
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_engine_worker.py")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({k: list(v) for k, v in loads.items()}, f)
+        json.dump({k: v.to_json() if shared else list(v) for k, v in loads.items()}, f)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                # The peer is vLLM's own engine: a venv with our plugin would run our kernels.
                PAGEDATTN_VLLM="0")
     cmd = [python, worker, "--model", hf_dir, "--workloads", f.name, "--dtype", args.peer_dtype,
-           "--repeats", str(args.repeats)]
+           "--repeats", str(args.repeats)] + (["--shared"] if shared else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     os.unlink(f.name)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
@@ -124,7 +139,11 @@ def _parse_args(argv):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--scale", type=float, default=1.0, help="shrink the workloads (quick runs)")
-    p.add_argument("--peers", default="pagedattn,transformers,vllm")
+    p.add_argument("--peers", default="pagedattn,transformers,vllm",
+                   help="W5/W6 run pagedattn (also with its shared-prefix attention off) and "
+                        "vllm; transformers has no prefix cache")
+    p.add_argument("--workloads", default="W1,W2,W3,W5,W6",
+                   help="W1-W3 (one table) and/or W5-W6 (shared prefixes, prefix caching on)")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDATTN_VLLM_PYTHON"),
                    help="python of an environment with vLLM (its CPU engine runs there)")
     p.add_argument("--hf-dir", default=None,
@@ -189,6 +208,54 @@ def _measure_peers(args, llm, loads, peers):
     return results, skipped, peer_info, shares
 
 
+def _measure_shared(args, loads, peers) -> tuple[dict, dict]:
+    """W5/W6 figures per peer: pagedattn with and without its shared-prefix attention (same
+    engine options otherwise, prefix caching on), and vLLM's engine."""
+    results: dict[str, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
+    if "pagedattn" in peers:
+        for label, sharing in (("pagedattn", True), ("pagedattn, shared prefixes off", False)):
+            llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=True,
+                      max_model_len=4096, kv_cache_memory="1GiB", linear_impl=args.linear_impl,
+                      huge_pages=not args.no_huge_pages, native_step=not args.no_native_step,
+                      shared_prefix_attention=sharing)
+            results[label] = measure_shared(pagedattn_shared_peer(llm), loads, args.repeats)
+            del llm
+    if "vllm" in peers:
+        if not args.vllm_python or not os.path.exists(args.vllm_python):
+            skipped["vllm"] = "no --vllm-python (or PAGEDATTN_VLLM_PYTHON) given"
+        else:
+            hf_dir = args.hf_dir or os.path.expanduser(f"~/.cache/pagedattn/{args.model}-hf")
+            try:
+                results["vLLM CPU engine"] = vllm_peer_figures(
+                    args.vllm_python, export_hf_dir(args.model, hf_dir), loads, args,
+                    shared=True)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                skipped["vllm"] = str(exc)[-500:]
+    return results, skipped
+
+
+def _report_shared(args, loads, results, skipped) -> None:
+    columns = [c for c in SHARED_COLUMNS if c.split()[0] in loads]
+    print(f"\n{MODELS[args.model]}, pagedattn {args.dtype}, prefix caching on, {args.threads} "
+          f"threads, decode of the fastest of {args.repeats}, scale {args.scale}")
+    for name, load in loads.items():
+        lens = sorted(map(len, load.prompts))
+        print(f"{name}: {len(load.prompts)} prompts of {lens[0]}-{lens[-1]} tokens, "
+              f"{load.samples} sample(s) each, {load.new_tokens} new tokens")
+    print(f"| peer | {' | '.join(columns)} |")
+    print("|---" * (len(columns) + 1) + "|")
+    for peer, figs in results.items():
+        print(f"| {peer} | " + " | ".join(f"{figs[c]:.1f}" for c in columns) + " |")
+    ours = results.get("pagedattn")
+    for peer, figs in results.items():
+        if ours is not None and peer != "pagedattn":
+            print(f"| pagedattn vs {peer} (x) | "
+                  + " | ".join(f"{ours[c] / figs[c]:.2f}" for c in columns) + " |")
+    for peer, why in skipped.items():
+        print(f"skipped {peer}: {why}")
+
+
 def _report(args, llm, results, skipped, peer_info, shares) -> None:
     print(f"\n{MODELS[args.model]}, pagedattn {args.dtype}, peers {args.peer_dtype}, greedy, "
           f"{args.threads} threads, median of {args.repeats}, scale {args.scale}")
@@ -228,21 +295,36 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     torch.set_num_threads(args.threads)
     peers = [x.strip() for x in args.peers.split(",") if x.strip()]
+    names = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(names) - {"W1", "W2", "W3", "W5", "W6"})
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {unknown}; choose from W1, W2, W3, W5, W6")
     args.peer_dtype = peer_dtype(args.peer_dtype, args.dtype)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_model_len=4096,
               kv_cache_memory="1GiB", linear_impl=args.linear_impl,
               batch_invariant=args.batch_invariant, huge_pages=not args.no_huge_pages,
               native_step=not args.no_native_step)
-    loads = workloads(llm.tokenizer, args.scale)
-    for name, (prompts, n) in loads.items():
-        lens = sorted(map(len, prompts))
-        print(f"{name}: {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, {n} new tokens each")
-    results, skipped, peer_info, shares = _measure_peers(args, llm, loads, peers)
-    _report(args, llm, results, skipped, peer_info, shares)
+    doc = {"args": vars(args)}
+    if any(w in names for w in ("W1", "W2", "W3")):
+        loads = {k: v for k, v in workloads(llm.tokenizer, args.scale).items()}
+        for name, (prompts, n) in loads.items():
+            lens = sorted(map(len, prompts))
+            print(f"{name}: {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, {n} new tokens each")
+        results, skipped, peer_info, shares = _measure_peers(args, llm, loads, peers)
+        _report(args, llm, results, skipped, peer_info, shares)
+        doc.update(results=results, skipped=skipped, peers=peer_info)
+    shared_loads = {k: v for k, v in shared_prefix_workloads(llm.tokenizer, args.scale).items()
+                    if k in names}
+    if shared_loads:
+        tokenizer_only = llm.tokenizer
+        del llm
+        results, skipped = _measure_shared(args, shared_loads, peers)
+        _report_shared(args, shared_loads, results, skipped)
+        doc.update(shared_results=results, shared_skipped=skipped)
+        del tokenizer_only
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "skipped": skipped, "peers": peer_info,
-                       "args": vars(args)}, f, indent=1)
+            json.dump(doc, f, indent=1)
     return 0
 
 

@@ -1,9 +1,13 @@
-"""Workloads W1-W3 of bench_engine.py as token-id prompts (shared by every peer, so all
-of them see exactly the same inputs), and the timing protocol they all follow.
+"""Workloads W1-W3 and W5-W6 of bench_engine.py as token-id prompts (shared by every
+peer, so all of them see exactly the same inputs), and the timing protocol they all follow.
 
 W1: one chat prompt, 128 new tokens          -> TTFT, decode tok/s
 W2: 32 chat prompts of 20-200 tokens, 128 new -> output tok/s (EOS ignored)
 W3: 4 prompts of ~2000 tokens, 64 new          -> prefill tok/s, decode tok/s
+W5: 32 chats behind one ~2000-token system prompt, each with its own 30-80-token
+    question, 128 new tokens                   -> decode tok/s (prefix caching on)
+W6: n = 8 seeded samples of one ~2000-token prompt, 128 new tokens
+                                               -> decode tok/s (prefix caching on)
 
 A model without a chat template (the pretrained Gemma 3) gets the same texts as plain
 prompts (its tokenizer adds BOS).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from pagedattn.bench.prompts import SENTENCES
@@ -77,6 +82,80 @@ def workloads(tokenizer, scale: float = 1.0) -> dict[str, tuple[list[list[int]],
             k += 8
         w3.append(chat_ids(tokenizer, _text(k, i) + " " + _QUESTIONS[i]))
     return {"W1": (w1, n(128)), "W2": (w2, n(128)), "W3": (w3, n(64))}
+
+
+@dataclass(frozen=True)
+class SharedLoad:
+    """A shared-prefix workload: its prompts (token ids), the new tokens of each, and the
+    samples per prompt (``n``, drawn at ``temperature`` with ``seed``; 1: greedy)."""
+
+    prompts: list[list[int]]
+    new_tokens: int
+    samples: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
+
+    def to_json(self) -> dict:
+        return dict(prompts=self.prompts, new_tokens=self.new_tokens, samples=self.samples,
+                    temperature=self.temperature, seed=self.seed)
+
+
+def _chat_with_system(tokenizer, system: str, question: str) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(system + "\n\n" + question).input_ids
+    conv = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    prompt = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False).input_ids
+
+
+def shared_prefix_workloads(tokenizer, scale: float = 1.0) -> dict[str, SharedLoad]:
+    """W5 and W6 (module docstring): prompts whose leading tokens are the same, which
+    prefix caching keeps in the same KV blocks."""
+    def n(x: int) -> int:
+        return max(2, int(x * scale))
+
+    k = 1
+    while len(tokenizer(_text(k, 3)).input_ids) < n(2000):
+        k += 4
+    system = "Answer questions about the following notes. " + _text(k, 3)
+    w5 = []
+    for i in range(n(32)):
+        target = 30 + (50 * i) // max(1, n(32) - 1)  # 30 .. 80 tokens of question
+        words = 1
+        while len(tokenizer(_text(words, i) + " " + _QUESTIONS[i % 4]).input_ids) < target:
+            words += 1
+        w5.append(_chat_with_system(tokenizer, system, _text(words, i) + " " + _QUESTIONS[i % 4]))
+    document = chat_ids(tokenizer, _text(k, 5) + " " + _QUESTIONS[2])
+    return {"W5": SharedLoad(w5, n(128)),
+            "W6": SharedLoad([document], n(128), samples=8, temperature=0.8, seed=1234)}
+
+
+def measure_shared(run: Callable[[SharedLoad, int], None], loads: dict[str, SharedLoad],
+                   repeats: int) -> dict[str, float]:
+    """Decode tok/s of W5 and W6 for one peer: ``run(load, n)`` generates ``n`` tokens
+    per sample of every prompt (EOS ignored). Each load runs once first, so its prompts'
+    blocks are in the prefix cache (the timed runs then share them, as a serving engine's
+    requests behind a cached system prompt do); decode is the fastest ``n``-token run
+    minus the fastest 1-token run, as in :func:`measure`."""
+    def timed(load, n) -> float:
+        t0 = time.perf_counter()
+        run(load, n)
+        return time.perf_counter() - t0
+
+    figures = {}
+    for name, load in loads.items():
+        run(load, 2)
+        ones, alls = [], []
+        for _ in range(repeats):
+            ones.append(timed(load, 1))
+            alls.append(timed(load, load.new_tokens))
+        sequences = len(load.prompts) * load.samples
+        figures[f"{name} decode tok/s"] = (sequences * (load.new_tokens - 1)
+                                           / max(min(alls) - min(ones), 1e-9))
+    return figures
+
+
+SHARED_COLUMNS = ["W5 decode tok/s", "W6 decode tok/s"]
 
 
 def measure(run: Callable[[list[list[int]], int], None], loads, repeats: int) -> dict[str, float]:
