@@ -34,7 +34,7 @@ class PlanLog:
 
 def _engines():
     # fp32: sharing changes a row's summation order only, far below any greedy tie.
-    common = dict(model="smollm2", dtype="float32", max_model_len=512, kv_cache_memory="32MiB")
+    common = dict(model="smollm2", dtype="float32", max_model_len=1024, kv_cache_memory="160MiB")
     return LLM(**common), LLM(**common, shared_prefix_attention=False)
 
 
@@ -46,7 +46,8 @@ def engines():
 @needs_smollm2
 def test_n_samples_read_their_prompt_once(engines, monkeypatch):
     shared, alone = engines
-    ids = shared.engine.inputs.encode("The committee met on Tuesday to discuss the budget. " * 12)
+    # ~600 tokens: a prefix long enough for sharing to pay (the planner's rule)
+    ids = shared.engine.inputs.encode("The committee met on Tuesday to discuss the budget. " * 70)
     log = PlanLog(shared, monkeypatch)
     sp = SamplingParams(temperature=0, max_tokens=8, n=4, ignore_eos=True)
     out = shared.generate(ids, sp)[0]
@@ -62,7 +63,7 @@ def test_requests_behind_one_system_prompt_share_it(engines, monkeypatch):
     prompt's blocks, the others take them from the prefix cache, and their decode steps
     read them once (one group of four)."""
     shared, alone = engines
-    system = "You are a careful assistant. Paged attention keeps keys in blocks. " * 10
+    system = "You are a careful assistant. Paged attention keeps keys in blocks. " * 40
     questions = ["What is a block?", "Why page the cache?", "Name a river.",
                  "What is two plus two?"]
     prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}]

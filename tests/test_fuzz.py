@@ -143,7 +143,7 @@ def batches(draw):
     """(seq_lens, query_lens): decodes, spec decodes, prefills and chunked prefills, empty
     requests, now and then a long context (KV splits)."""
     n = draw(st.integers(1, 5))
-    long_ctx = draw(st.integers(0, 7)) == 0
+    long_ctx = draw(st.integers(0, 4)) == 0  # also: prefixes long enough to be shared
     seq_lens, query_lens = [], []
     for _ in range(n):
         shape = draw(st.sampled_from(["decode", "spec", "prefill", "chunk", "empty"]))

@@ -17,7 +17,8 @@ from pagedattn import ops
 from pagedattn.backends import cpu_runtime
 from pagedattn.backends.cpu_runtime import kernel_variant
 from pagedattn.ops.isa import (METADATA_FIELDS_PER_REQ, METADATA_HEADER,
-                               SHARED_PREFIX_MIN_KEYS, IsaHint)
+                               SHARED_PREFIX_LONG_KEYS, SHARED_PREFIX_MIN_KEYS,
+                               SHARED_PREFIX_MIN_SAVED_KEYS, IsaHint)
 from pagedattn.testing import TOLERANCES, BatchSpec, make_paged_batch
 
 from test_cpu_ops import (CACHES, FP8_SCALES, assert_matches_reference, feature_args,
@@ -30,14 +31,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Group (0, 1, 2, 4): decodes, a short spec decode and a chunked prefill whose context holds
 # the prefix; group (3, 5): two decodes; request 6 shares nothing; request 7 shares its
 # first block only with 6, too little to pay.
-SPEC = BatchSpec("shared", (300, 290, 400, 230, 330, 200, 150, 140), (1, 1, 3, 1, 40, 1, 1, 2))
+SPEC = BatchSpec("shared", (600, 590, 700, 560, 630, 540, 150, 140), (1, 1, 3, 1, 40, 1, 1, 2))
 
 
 def shared_batch(dtype, head_size, block_size, num_heads, num_kv_heads, seed=0):
-    """SPEC with group (0, 1, 2, 4) sharing 192 keys and (3, 5) sharing 128, in whole
-    blocks, and requests 6 and 7 sharing one block of at most 32 keys."""
+    """SPEC with groups (0, 1, 2, 4) and (3, 5) sharing 512 keys each (a prefix long
+    enough to pay for two requests), in whole blocks, and requests 6 and 7 sharing one
+    block of at most 32 keys."""
     per = lambda keys: max(1, keys // block_size)  # noqa: E731
-    groups = (((0, 1, 2, 4), per(192)), ((3, 5), per(128)))
+    groups = (((0, 1, 2, 4), per(512)), ((3, 5), per(512)))
     if block_size * 1 < SHARED_PREFIX_MIN_KEYS:
         groups += (((6, 7), 1),)
     return make_paged_batch(SPEC, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -133,24 +135,24 @@ def test_shared_plan_over_fp8_and_fp16(isa, dtype, cache):
 
 
 def test_overlapping_groups_a_loner_and_a_window_that_cuts_the_prefix():
-    """Two groups whose prefixes overlap in part (4 requests share 4 blocks, two of them 8),
-    one request in none, and a window that keeps one member's rows off most of the prefix
-    and another's off all of it: every row as the reference, sinks counted once."""
-    spec = BatchSpec("overlap", (700, 650, 600, 640, 500, 300), (1, 1, 1, 1, 1, 1))
+    """Two groups whose prefixes overlap in part (4 requests share 16 blocks, two of them
+    24), one request in none, and a window that keeps members' rows off part of the prefix
+    or all of it: every row as the reference, sinks counted once."""
+    spec = BatchSpec("overlap", (1400, 1350, 1300, 1340, 500, 300), (1, 1, 1, 1, 1, 1))
     batch = make_paged_batch(spec, num_heads=8, num_kv_heads=2, head_size=64, block_size=32,
-                             dtype=torch.float32, shared_prefixes=(((0, 1, 2, 3), 4),))
-    # 0 and 1 share 8 blocks: their first 8 ids and keys the same.
+                             dtype=torch.float32, shared_prefixes=(((0, 1, 2, 3), 16),))
+    # 0 and 1 share 24 blocks: their first 24 ids the same (the reference reads the
+    # cache through the table, as the kernels do).
     table = batch.block_table.clone()
-    table[1, :8] = table[0, :8]
-    keys, values = batch.keys, batch.values
-    keys[1][:256], values[1][:256] = keys[0][:256], values[0][:256]
+    table[1, :24] = table[0, :24]
     batch.block_table.copy_(table)
     meta = plan(batch)
+    # One group of four saves 3 x 512 key reads; {0, 1} and {2, 3} would save 768 + 512.
     assert header(meta)["num_groups"] == 1 and header(meta)["num_members"] == 4
-    assert prefix_keys(meta, 6) == [128, 128, 128, 128, 0, 0]
-    for window in ((-1, -1), (600, 0), (100, 0)):
-        # 600: request 2 (position 599) sees the whole prefix, request 3 (639) keys 39
-        # on, request 0 (699) keys 99 on; 100: no member's row sees any of it.
+    assert prefix_keys(meta, 6) == [512, 512, 512, 512, 0, 0]
+    for window in ((-1, -1), (1000, 0), (100, 0)):
+        # 1000: request 2 (position 1299) sees keys 299 on, request 0 (1399) keys 399 on;
+        # 100: no member's row sees any of the prefix.
         args = dict(feature_args("sinks", 8, 64), sliding_window=window)
         got = attend(batch, meta, args)
         assert_matches_reference(got, run_reference(batch, args), torch.float32)
@@ -183,11 +185,11 @@ def test_the_planner_keeps_one_group_behind_a_system_prompt():
 
 def test_the_planner_splits_where_subgroups_share_much_more():
     """Two prompts behind one common first block: two groups, each its own prompt."""
-    a = [7] + list(range(10, 30))
-    b = [7] + list(range(40, 60))
-    tables = [a + [100 + r] for r in range(3)] + [b + [200 + r] for r in range(3)]
-    keys, hdr = groups_of(tables, [22 * 16] * 6)
-    assert keys == [21 * 16] * 6 and hdr["num_groups"] == 2
+    a = [7] + list(range(10, 50))
+    b = [7] + list(range(60, 100))
+    tables = [a + [1000 + r] for r in range(3)] + [b + [2000 + r] for r in range(3)]
+    keys, hdr = groups_of(tables, [42 * 16] * 6)
+    assert keys == [41 * 16] * 6 and hdr["num_groups"] == 2
 
 
 def test_the_planner_leaves_short_prefixes_and_lone_requests_alone():
@@ -199,22 +201,35 @@ def test_the_planner_leaves_short_prefixes_and_lone_requests_alone():
     assert keys == [0, 0, 0, 0] and hdr["num_groups"] == 0
 
 
+@pytest.mark.parametrize("members, blocks, pays", [
+    (2, SHARED_PREFIX_LONG_KEYS // 16, True),             # a long prefix pays for two
+    (2, SHARED_PREFIX_LONG_KEYS // 16 - 1, False),        # a shorter one does not
+    (17, SHARED_PREFIX_MIN_SAVED_KEYS // 16 // 16, True),  # 16 x 128 key reads saved
+    (16, SHARED_PREFIX_MIN_SAVED_KEYS // 16 // 16, False),  # 15 x 128 are too few
+])
+def test_the_planner_groups_where_the_measured_rule_says_it_pays(members, blocks, pays):
+    tables = [list(range(1, 1 + blocks)) + [500 + r] for r in range(members)]
+    keys, _ = groups_of(tables, [(blocks + 1) * 16] * members)
+    assert keys == ([blocks * 16] if pays else [0]) * members
+    assert cpu_runtime.shared_prefix_pays(blocks * 16, [1] * members, False) == pays
+
+
 def test_the_planner_stops_at_the_shortest_member():
     """A member with fewer keys than its group's common blocks caps the shared keys (its
     rows must not see keys past its own length through another's blocks)."""
-    tables = [list(range(1, 11)), list(range(1, 11)), list(range(1, 11))]
-    keys, _ = groups_of(tables, [160, 160, 100])
-    assert keys == [96, 96, 96]
+    tables = [list(range(1, 41)), list(range(1, 41)), list(range(1, 41))]
+    keys, _ = groups_of(tables, [640, 640, 600])
+    assert keys == [592, 592, 592]
 
 
 def test_requests_with_identical_tables_share_everything():
     """Two requests on the very same blocks and lengths (nothing of their own): the group
     covers every key; each result is the reference's."""
-    spec = BatchSpec("twins", (256, 256), (1, 1))
+    spec = BatchSpec("twins", (512, 512), (1, 1))
     batch = make_paged_batch(spec, num_heads=8, num_kv_heads=2, head_size=64, block_size=32,
-                             dtype=torch.float32, shared_prefixes=(((0, 1), 8),))
+                             dtype=torch.float32, shared_prefixes=(((0, 1), 16),))
     meta = plan(batch)
-    assert prefix_keys(meta, 2) == [256, 256]
+    assert prefix_keys(meta, 2) == [512, 512]
     for feature in ("causal", "everything"):
         args = feature_args(feature, 8, 64)
         assert_matches_reference(attend(batch, meta, args), run_reference(batch, args),
@@ -313,7 +328,7 @@ def test_cpu_attn_builder_shares_and_answers_the_cascade_question():
         block_table=batch.block_table, block_size=16)
     md = builder.build(common_prefix_len=0, common_attn_metadata=common)
     assert header(md.scheduler_metadata)["num_groups"] == 2
-    rule = SHARED_PREFIX_MIN_KEYS
+    rule = SHARED_PREFIX_LONG_KEYS
     assert builder.use_cascade_attention(rule, [1, 1], 8, 8, False, False, False, 0, 1)
     assert not builder.use_cascade_attention(rule - 1, [1, 1], 8, 8, False, False, False, 0, 1)
     assert not builder.use_cascade_attention(rule, [1, 0], 8, 8, False, False, False, 0, 1)

@@ -167,12 +167,13 @@ struct BlockTableView {
 };
 
 // Groups of requests with a common run of leading block ids: at most one group per
-// request, each sharing at least kSharedPrefixMinKeys keys. Requests are sorted by their rows
-// (each up to the blocks its keys fill), so requests with a common prefix are adjacent
-// and a run's common prefix is the least common prefix of its neighbours. A run is kept
-// whole where that saves at least as many key reads, (members - 1) x shared keys, as its
-// best split at its weakest link does, and split there otherwise: 32 requests behind one
-// system prompt stay one group even where they pair up further.
+// request, each where sharing pays (shared_prefix_pays: isa_generated.h). Requests are
+// sorted by their rows (each up to the blocks its keys fill), so requests with a common
+// prefix are adjacent and a run's common prefix is the least common prefix of its
+// neighbours. A run is kept whole where that saves at least as many key reads,
+// (members - 1) x shared keys, as its best split at its weakest link does, and split
+// there otherwise: 32 requests behind one system prompt stay one group even where they
+// pair up further.
 std::vector<SharedGroup> find_shared_groups(int64_t num_reqs, const int32_t* qsl,
                                             const int32_t* sl, const BlockTableView& bt) {
   const int64_t bs = bt.block_size;
@@ -200,7 +201,7 @@ std::vector<SharedGroup> find_shared_groups(int64_t num_reqs, const int32_t* qsl
   const int64_t n = static_cast<int64_t>(order.size());
   std::vector<int64_t> link(n - 1);  // common blocks of neighbours i and i + 1
   for (int64_t i = 0; i + 1 < n; ++i) link[i] = common(order[i], order[i + 1]);
-  const auto pays = [&](int64_t blocks) { return blocks * bs >= kSharedPrefixMinKeys; };
+  const auto links = [&](int64_t blocks) { return blocks * bs >= kSharedPrefixMinKeys; };
   // Best grouping of order[a..b]: key reads saved, and the runs (as [first, last] pairs).
   struct Best {
     int64_t saved;
@@ -212,7 +213,8 @@ std::vector<SharedGroup> find_shared_groups(int64_t num_reqs, const int32_t* qsl
     for (int64_t i = a; i < b; ++i)
       if (link[i] < link[weakest]) weakest = i;
     Best left = best(a, weakest), right = best(weakest + 1, b);
-    const int64_t whole = pays(link[weakest]) ? (b - a) * link[weakest] : 0;
+    const int64_t whole =
+        shared_prefix_pays(b - a + 1, link[weakest] * bs) ? (b - a) * link[weakest] : 0;
     if (whole > 0 && whole >= left.saved + right.saved) return Best{whole, {{a, b}}};
     left.saved += right.saved;
     left.runs.insert(left.runs.end(), right.runs.begin(), right.runs.end());
@@ -222,7 +224,7 @@ std::vector<SharedGroup> find_shared_groups(int64_t num_reqs, const int32_t* qsl
   // across requests with nothing in common).
   for (int64_t a = 0; a < n;) {
     int64_t b = a;
-    while (b + 1 < n && pays(link[b])) ++b;
+    while (b + 1 < n && links(link[b])) ++b;
     for (const auto& run : best(a, b).runs) {
       SharedGroup g;
       g.rep = order[run.first];

@@ -67,8 +67,16 @@ def render(isa) -> str:
     out += ["};", f"constexpr int64_t kMetaFieldsPerReq = {len(isa.METADATA_FIELDS_PER_REQ)};",
             f"constexpr int32_t kMetaMagicValue = {isa.METADATA_MAGIC:#x};",
             f"constexpr int32_t kMetaVersionValue = {isa.METADATA_VERSION};",
-            "// Shared prefixes: the fewest keys a group of requests shares for sharing to pay.",
-            f"constexpr int64_t kSharedPrefixMinKeys = {isa.SHARED_PREFIX_MIN_KEYS};", ""]
+            "// Shared prefixes: a group shares at least kSharedPrefixMinKeys keys, and pays",
+            "// where they are kSharedPrefixLongKeys or more, or save its members",
+            "// kSharedPrefixMinSavedKeys key reads ((members - 1) x keys).",
+            f"constexpr int64_t kSharedPrefixMinKeys = {isa.SHARED_PREFIX_MIN_KEYS};",
+            f"constexpr int64_t kSharedPrefixLongKeys = {isa.SHARED_PREFIX_LONG_KEYS};",
+            f"constexpr int64_t kSharedPrefixMinSavedKeys = {isa.SHARED_PREFIX_MIN_SAVED_KEYS};",
+            "inline bool shared_prefix_pays(int64_t members, int64_t keys) {",
+            "  return members >= 2 && keys >= kSharedPrefixMinKeys &&",
+            "         (keys >= kSharedPrefixLongKeys || (members - 1) * keys >= kSharedPrefixMinSavedKeys);",
+            "}", ""]
 
     # Grouped by architecture macro: one #if per architecture, not one per ISA.
     by_macro: dict = {}

@@ -85,8 +85,16 @@ enum MetaReqField : int64_t {
 constexpr int64_t kMetaFieldsPerReq = 2;
 constexpr int32_t kMetaMagicValue = 0x50414d44;
 constexpr int32_t kMetaVersionValue = 4;
-// Shared prefixes: the fewest keys a group of requests shares for sharing to pay.
+// Shared prefixes: a group shares at least kSharedPrefixMinKeys keys, and pays
+// where they are kSharedPrefixLongKeys or more, or save its members
+// kSharedPrefixMinSavedKeys key reads ((members - 1) x keys).
 constexpr int64_t kSharedPrefixMinKeys = 64;
+constexpr int64_t kSharedPrefixLongKeys = 512;
+constexpr int64_t kSharedPrefixMinSavedKeys = 2048;
+inline bool shared_prefix_pays(int64_t members, int64_t keys) {
+  return members >= 2 && keys >= kSharedPrefixMinKeys &&
+         (keys >= kSharedPrefixLongKeys || (members - 1) * keys >= kSharedPrefixMinSavedKeys);
+}
 
 // One kernel table per ISA translation unit (defined in kernels_<isa>.cpp).
 struct KernelTable;

@@ -31,7 +31,8 @@ from pagedattn import ops, tuning
 from pagedattn.backend import AttentionType, is_quantized_kv_cache
 from pagedattn.checks import require_int
 from pagedattn.ops import kernel_shapes
-from pagedattn.ops.isa import SHARED_PREFIX_MIN_KEYS, IsaHint
+from pagedattn.ops.isa import (SHARED_PREFIX_LONG_KEYS, SHARED_PREFIX_MIN_KEYS,
+                               SHARED_PREFIX_MIN_SAVED_KEYS, IsaHint)
 from pagedattn.ops.reference import FP8_CACHE_DTYPES
 
 
@@ -174,11 +175,14 @@ def plan_step(geometry: PlanGeometry, variant: IsaHint, query_start_loc: torch.T
 
 def shared_prefix_pays(common_prefix_len: int, query_lens, batch_invariant: bool) -> bool:
     """Whether reading a ``common_prefix_len``-key prefix once for every request with
-    queries (``query_lens``) pays: the planner's rule (``SHARED_PREFIX_MIN_KEYS`` keys, two
-    requests at least), never in batch-invariant plans."""
-    with_queries = sum(1 for q in query_lens if int(q) > 0)
-    return (not batch_invariant and with_queries >= 2
-            and common_prefix_len >= SHARED_PREFIX_MIN_KEYS)
+    queries (``query_lens``) pays: the planner's rule (``pagedattn/ops/isa.py``: at least
+    ``SHARED_PREFIX_MIN_KEYS`` keys, and ``SHARED_PREFIX_LONG_KEYS`` of them or
+    ``SHARED_PREFIX_MIN_SAVED_KEYS`` key reads saved), never in batch-invariant plans."""
+    members = sum(1 for q in query_lens if int(q) > 0)
+    keys = common_prefix_len
+    return (not batch_invariant and members >= 2 and keys >= SHARED_PREFIX_MIN_KEYS
+            and (keys >= SHARED_PREFIX_LONG_KEYS
+                 or (members - 1) * keys >= SHARED_PREFIX_MIN_SAVED_KEYS))
 
 
 def split_queries_longer_than_keys(

@@ -47,9 +47,13 @@ METADATA_FIELDS_PER_REQ: tuple[str, ...] = ("num_kv_splits", "prefix_keys")
 METADATA_MAGIC = 0x50414D44  # "PAMD"
 METADATA_VERSION = 4  # 3: batch_invariant; 4: shared-prefix groups
 # The planner's rule for shared prefixes (requests whose block tables begin with the same
-# blocks): a group pays from this many shared keys on (docs/performance.md, "Shared
-# prefixes"). CPU_ATTN's use_cascade_attention applies the same rule.
+# blocks), measured (docs/performance.md, "Shared prefixes"): a group shares at least
+# SHARED_PREFIX_MIN_KEYS keys, and pays where its members share SHARED_PREFIX_LONG_KEYS
+# or more, or together read SHARED_PREFIX_MIN_SAVED_KEYS fewer keys ((members - 1) x
+# shared keys). CPU_ATTN's use_cascade_attention applies the same rule.
 SHARED_PREFIX_MIN_KEYS = 64
+SHARED_PREFIX_LONG_KEYS = 512
+SHARED_PREFIX_MIN_SAVED_KEYS = 2048
 
 
 def _parse(enum_cls, value):
