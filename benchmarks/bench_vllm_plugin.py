@@ -16,7 +16,17 @@ context one:
 * W2: 32 chat prompts, 128 new tokens each (EOS ignored): output tok/s;
 * W3: 4 prompts of ~2000 tokens, 64 new tokens: prefill tok/s and decode tok/s;
 * W4: 8 requests x 4096 tokens of context, 128 new tokens: prefill tok/s and decode tok/s
-  (attention dominates decode there).
+  (attention dominates decode there);
+* W5: 32 chats behind one ~2000-token system prompt, each with its own 30-80-token
+  question, 128 new tokens: decode tok/s;
+* W6: 8 samples (n = 8, temperature 0.8) of one ~2000-token prompt, 128 new tokens:
+  decode tok/s. vLLM 0.32's CPU sampler kills its engine on seeded n > 1 requests, so
+  the samples are drawn unseeded.
+
+W5 and W6 run in an engine of their own with prefix caching on (their prompts' blocks
+are cached by a first run; the plugin then reads them once per step, vLLM alone once per
+request); decode tok/s there is the n-token run minus the 1-token run (the engine's
+timestamps cover the first of n samples only).
 
 The engine's own per-request timestamps split each run: all prompts of a workload are
 prefilled in one step (``max_num_batched_tokens`` = 8 x 4096), so prefill is scheduling ->
@@ -37,13 +47,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedattn.bench import vllm_plugin_runs as workloads  # noqa: E402
 
-WORKLOADS = ("W1", "W2", "W3", "W4")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+SHARED_WORKLOADS = ("W5", "W6")
 # (metric, higher is better) per workload, in table order.
 METRICS = {
     "W1": [("TTFT ms", False), ("decode tok/s", True)],
     "W2": [("output tok/s", True)],
     "W3": [("prefill tok/s", True), ("decode tok/s", True)],
     "W4": [("prefill tok/s", True), ("decode tok/s", True)],
+    "W5": [("decode tok/s", True)],
+    "W6": [("decode tok/s", True)],
 }
 
 
@@ -90,6 +103,52 @@ def child(names: list[str], eager: bool, w4_context: int = 4096, w4_new: int = 1
     return result
 
 
+def _shared_prefix_loads(llm) -> dict[str, tuple[list[list[int]], int, int]]:
+    """W5 and W6 as (token-id prompts, samples per prompt, temperature x 10)."""
+    tokenizer = llm.get_tokenizer()
+    system = "Answer questions about these notes. " + workloads.long_document_prompt(2000, 0)
+    chats = []
+    for i in range(32):
+        # 30-80 tokens: 20-60 words of the notes' filler before the question
+        extra = " ".join(workloads.long_document_prompt(100, 100 + i).split()[:20 + (40 * i) // 31])
+        conv = [{"role": "system", "content": system},
+                {"role": "user", "content": f"{extra} {workloads.CHAT_QUESTIONS[i % 16]}"}]
+        text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        chats.append(tokenizer.encode(text, add_special_tokens=False))
+    document = tokenizer.encode(workloads.long_document_prompt(2000, 1))
+    return {"W5": (chats, 1, 0), "W6": ([document], 8, 8)}
+
+
+def shared_child(names: list[str], eager: bool, dtype: str) -> dict:
+    """W5 and W6 in an engine with prefix caching on: decode tok/s of each."""
+    import time
+
+    from vllm import SamplingParams
+
+    spec = workloads.EngineSpec(model=str(workloads.smollm2_checkpoint()), dtype=dtype,
+                                max_model_len=4096 + 256, enforce_eager=eager,
+                                max_num_seqs=32, kv_cache_gib=2.0, prefix_caching=True,
+                                max_num_batched_tokens=8 * 4096)
+    llm = spec.build()
+    loads = _shared_prefix_loads(llm)
+
+    def run(prompts, samples, temperature, n) -> float:
+        params = SamplingParams(n=samples, temperature=temperature, max_tokens=n,
+                                ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    result = {}
+    for name in names:
+        prompts, samples, temp10 = loads[name]
+        run(prompts, samples, temp10 / 10, 2)  # caches the prompts' blocks
+        one = min(run(prompts, samples, temp10 / 10, 1) for _ in range(2))
+        full = min(run(prompts, samples, temp10 / 10, 128) for _ in range(2))
+        result[name] = {"decode tok/s": len(prompts) * samples * 127 / max(full - one, 1e-9)}
+    return result
+
+
 def _long_contexts(llm, num: int, tokens: int) -> list[list[int]]:
     """``num`` different prompts of exactly ``tokens`` token ids (tokenized documents)."""
     tokenizer = llm.get_tokenizer()
@@ -126,22 +185,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype == "auto":
         args.dtype = default_dtype()
     if args.child:
-        print(json.dumps(child(names, args.eager, args.w4_context, args.w4_new_tokens,
-                               args.dtype)))
+        shared = [w for w in names if w in SHARED_WORKLOADS]
+        result = shared_child(shared, args.eager, args.dtype) if shared else child(
+            names, args.eager, args.w4_context, args.w4_new_tokens, args.dtype)
+        print(json.dumps(result))
         return 0
 
     runs: dict[str, list[dict]] = {"off": [], "on": []}
-    child_args = [str(Path(__file__).resolve()), "--child", "--workloads", ",".join(names)]
-    child_args += ["--eager"] if args.eager else []
-    child_args += ["--w4-context", str(args.w4_context), "--w4-new-tokens", str(args.w4_new_tokens),
-                   "--dtype", args.dtype]
+    # One child per engine kind: W1-W4 with prefix caching off, W5-W6 with it on.
+    batches = [[w for w in names if w not in SHARED_WORKLOADS],
+               [w for w in names if w in SHARED_WORKLOADS]]
     for repeat in range(args.repeats):
         for setting in ("off", "on"):
             print(f"repeat {repeat + 1}/{args.repeats}: plugin {setting} ...", file=sys.stderr,
                   flush=True)
-            out = workloads.run_in_subprocess(child_args, plugin=setting == "on", timeout=3600,
-                                              module=False)
-            runs[setting].append(workloads.last_json_line(out))
+            merged = {}
+            for batch in (b for b in batches if b):
+                child_args = [str(Path(__file__).resolve()), "--child", "--workloads",
+                              ",".join(batch), "--w4-context", str(args.w4_context),
+                              "--w4-new-tokens", str(args.w4_new_tokens), "--dtype", args.dtype]
+                child_args += ["--eager"] if args.eager else []
+                out = workloads.run_in_subprocess(child_args, plugin=setting == "on",
+                                                  timeout=3600, module=False)
+                merged.update(workloads.last_json_line(out))
+            runs[setting].append(merged)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
     print(f"vLLM {_vllm_version()} CPU engine, SmolLM2-135M-Instruct {args.dtype}, "
