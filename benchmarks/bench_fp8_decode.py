@@ -13,16 +13,14 @@ Same inputs, rotation over KV copies (reads come from DRAM) and reference check 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 from pagedattn import ops
 from pagedattn.bench import probes
 from pagedattn.bench.contenders import PagedattnContender
-from pagedattn.bench.runner import _Checker
+from pagedattn.bench.runner import _Checker, alternating_medians
 from pagedattn.bench.scenarios import build_inputs, copies_for, _decode
 
 
@@ -48,17 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not ok:
                     print(f"{s.name}: WRONG (max |diff| {err:.3g} > {tol})", file=sys.stderr)
                     return 1
-                runs.append((inputs, prepared, [], [0]))
-            for i in range(args.repeat + 2):
-                order = runs if i % 2 == 0 else runs[::-1]
-                for inputs, prepared, times, nxt in order:
-                    copy = nxt[0] % inputs.copies
-                    nxt[0] += 1
-                    t0 = time.perf_counter()
-                    prepared.run(copy)
-                    if i >= 2:  # two warm-up pairs
-                        times.append(time.perf_counter() - t0)
-            t_bf16, t_fp8 = (statistics.median(r[2]) for r in runs)
+                runs.append((prepared, inputs.copies))
+            t_bf16, t_fp8 = alternating_medians(runs, args.repeat)
             print(f"{b:>5} {c:>7} {t_bf16 * 1e3:>7.2f}ms {t_fp8 * 1e3:>7.2f}ms "
                   f"{t_bf16 / t_fp8:>7.2f}x")
             del runs

@@ -15,9 +15,7 @@ Both outputs are checked against the reference first.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
@@ -25,7 +23,7 @@ from pagedattn import ops
 from pagedattn.backends.cpu_runtime import PlanGeometry, prefill_variant
 from pagedattn.bench import probes
 from pagedattn.bench.contenders import Prepared
-from pagedattn.bench.runner import _Checker
+from pagedattn.bench.runner import _Checker, alternating_medians
 from pagedattn.bench.scenarios import Scenario, build_inputs, copies_for
 from pagedattn.ops.isa import METADATA_HEADER
 
@@ -85,17 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not ok:
                     print(f"{s.name}: WRONG (max |diff| {err:.3g} > {tol})", file=sys.stderr)
                     return 1
-                runs.append((prepared, groups, [], [0]))
-            for i in range(args.repeat + 2):
-                for prepared, _, times, nxt in (runs if i % 2 == 0 else runs[::-1]):
-                    copy = nxt[0] % inputs.copies
-                    nxt[0] += 1
-                    t0 = time.perf_counter()
-                    prepared.run(copy)
-                    if i >= 2:  # two warm-up pairs
-                        times.append(time.perf_counter() - t0)
-            (_, _, alone, _), (_, groups, together, _) = runs
-            a, t = statistics.median(alone), statistics.median(together)
+                runs.append((prepared, inputs.copies))
+            a, t = alternating_medians(runs, args.repeat)
             print(f"{b:>5} {shared:>6} {groups:>6} {a * 1e3:>10.3f} ms {t * 1e3:>8.3f} ms "
                   f"{a / t:>7.2f}x", flush=True)
             del inputs, runs

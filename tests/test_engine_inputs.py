@@ -21,10 +21,10 @@ def test_a_sampling_failure_fails_one_request_and_the_batch_goes_on(llm, monkeyp
     want = llm.generate(PROMPTS, greedy)
     original = sampler._pick
 
-    def faulty(row, req, gen):
+    def faulty(row, req, gen, **kwargs):
         if req.sampling_params.seed == 99 and len(req.output_token_ids) >= 3:
             raise RuntimeError("injected")
-        return original(row, req, gen)
+        return original(row, req, gen, **kwargs)
 
     monkeypatch.setattr(sampler, "_pick", faulty)
     bad = SamplingParams(temperature=0.8, seed=99, max_tokens=12, ignore_eos=True)

@@ -202,10 +202,10 @@ def test_a_failure_in_one_row_fails_that_request_alone(monkeypatch):
 
     original = sampler._pick
 
-    def faulty(row, req, gen):
+    def faulty(row, req, gen, **kwargs):
         if req.req_id == "bad":
             raise RuntimeError("injected")
-        return original(row, req, gen)
+        return original(row, req, gen, **kwargs)
 
     monkeypatch.setattr(sampler, "_pick", faulty)
     good, bad = _req(repetition_penalty=1.5), _req(logprobs=2)

@@ -77,11 +77,23 @@ def test_metadata_of_another_step_is_rejected():
         attend(batch, other_q, feature_args("causal", 8, 64))
 
 
-def test_every_corrupted_word_of_the_plan_is_rejected():
-    """Flip each word after the fixed header (per-request fields, jobs, merges): the
-    checksum or the bounds reject every one."""
-    batch = case_inputs(LONG_SPECS[1], "fp32", 64, 16, 8, 2)
-    meta = metadata_for(batch)
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared-prefix"])
+def test_every_corrupted_word_of_the_plan_is_rejected(shared):
+    """Flip each word after the fixed header (per-request fields, jobs, merges, and for a
+    plan that shares prefixes its groups and members): the checksum or the bounds reject
+    every one."""
+    if shared:  # two decodes and a spec decode behind 1,024 keys in the same blocks
+        spec = BatchSpec("shared", (1100, 1050, 1080), (1, 1, 3))
+        batch = make_paged_batch(spec, num_heads=8, num_kv_heads=2, head_size=64,
+                                 block_size=16, dtype=torch.float32,
+                                 shared_prefixes=(((0, 1, 2), 64),))
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            3, 8, 2, 64, batch.seq_lens, torch.float32, batch.query_start_loc, True, -1,
+            kernel_variant(), True, block_table=batch.block_table, block_size=16)
+        assert int(meta[ops.METADATA_HEADER.index("num_groups")]) == 1
+    else:
+        batch = case_inputs(LONG_SPECS[1], "fp32", 64, 16, 8, 2)
+        meta = metadata_for(batch)
     args = feature_args("causal", 8, 64)
     good = attend(batch, meta, args)
     header = len(ops.METADATA_HEADER)

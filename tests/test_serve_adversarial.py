@@ -163,10 +163,10 @@ def test_repetition_penalty_below_the_floor_is_a_400(server, value):
 
 
 def _fault_on_seed(original):
-    def faulty(row, req, gen):
+    def faulty(row, req, gen, **kwargs):
         if req.sampling_params.seed == FAULT_SEED and len(req.output_token_ids) >= 2:
             raise RuntimeError("injected sampling fault")
-        return original(row, req, gen)
+        return original(row, req, gen, **kwargs)
     return faulty
 
 

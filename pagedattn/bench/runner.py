@@ -344,6 +344,27 @@ def _time_cell(prepared: Prepared, rotation: _CopyRotation, opts: BenchOptions,
     return times, stream_times, n < opts.repeat
 
 
+def alternating_medians(runs: list[tuple[Prepared, int]], repeat: int,
+                        warmup_pairs: int = 2) -> list[float]:
+    """Median seconds per call of each ``(prepared, copies)`` run, timed in turns (the
+    order reversed every other round, so that load from other processes hits them alike),
+    each call on the next of its run's KV copies; ``warmup_pairs`` rounds first, untimed.
+    The side-by-side timer of the benchmark scripts that compare two kernels or plans."""
+    times: list[list[float]] = [[] for _ in runs]
+    calls = [0] * len(runs)
+    for i in range(repeat + warmup_pairs):
+        order = list(range(len(runs))) if i % 2 == 0 else list(range(len(runs)))[::-1]
+        for k in order:
+            prepared, copies = runs[k]
+            copy = calls[k] % copies
+            calls[k] += 1
+            t0 = time.perf_counter()
+            prepared.run(copy)
+            if i >= warmup_pairs:
+                times[k].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200] if text else ''}".rstrip(": ")

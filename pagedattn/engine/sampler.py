@@ -4,12 +4,12 @@ Before picking, :func:`apply_logits_processors` applies the per-request rules th
 depend on what the request has seen: the repetition penalty and ``min_tokens`` (which
 bans the tokens that would stop it early).
 
-Rows that need nothing but their pick go together: greedy rows through one argmax, and
-rows sampled at a temperature alone (no top-k, top-p, penalty, ``min_tokens`` ban,
-logprobs or grammar) through one softmax and one cumulative sum, each drawing its token
-by inverting that distribution at one uniform number of its own generator
-(:func:`_draw_rows`). The others are processed a row at a time. An exception while
-processing or picking one request's token fails that request alone (its entry in
+A batch of greedy rows needing nothing else goes through one argmax. Rows sampled at a
+temperature alone (no top-k, top-p, penalty, ``min_tokens`` ban, logprobs or grammar)
+get their distributions' cumulative sums in one softmax and one cumsum
+(:func:`_cumulative_rows`); each then draws its token by inverting its own at one uniform
+number of its own generator (:func:`_pick`). Every row's pick is its own: an exception
+while processing or picking one request's token fails that request alone (its entry in
 ``SamplerOutput.tokens`` is ``None`` and ``Request.failure`` says why; the engine
 finishes it with ``error``), and the other rows of the batch get their tokens.
 """
@@ -82,8 +82,25 @@ def _logprobs(row: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     return float(logp[token]), alternatives
 
 
-def _pick(row: torch.Tensor, req: Request, gen: torch.Generator | None) -> int:
+def _no_token(total: float, p) -> ValueError:
+    return ValueError(f"no token can be drawn: the probabilities sum to {total} "
+                      f"(temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, "
+                      f"repetition_penalty={p.repetition_penalty})")
+
+
+def _pick(row: torch.Tensor | None, req: Request, gen: torch.Generator | None,
+          cdf: torch.Tensor | None = None) -> int:
+    """``req``'s token from its logits ``row``; or, given ``cdf`` (its distribution's
+    cumulative sums, :func:`_cumulative_rows`), the first token whose cumulative
+    probability passes ``u x total`` for one uniform ``u`` of ``gen``: exactly the
+    distribution, and a token of probability 0 is never drawn."""
     p = req.sampling_params
+    if cdf is not None:
+        total = float(cdf[-1])
+        if not math.isfinite(total) or total <= 0.0:
+            raise _no_token(total, p)
+        target = torch.rand((), generator=gen) * total
+        return min(int(torch.searchsorted(cdf, target, right=True)), cdf.numel() - 1)
     if p.greedy:
         return int(row.argmax())
     row = row / p.temperature
@@ -101,9 +118,7 @@ def _pick(row: torch.Tensor, req: Request, gen: torch.Generator | None) -> int:
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     total = float(probs.sum())
     if not math.isfinite(total) or total <= 0.0:
-        raise ValueError(f"no token can be drawn: the probabilities sum to {total} "
-                         f"(temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, "
-                         f"repetition_penalty={p.repetition_penalty})")
+        raise _no_token(total, p)
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
@@ -152,22 +167,12 @@ def _temperature_only(req: Request) -> bool:
             and req.grammar is None and not _needs_processing(req))
 
 
-def _draw_rows(logits: torch.Tensor, reqs: list[Request],
-               generators: list[torch.Generator | None]) -> list[int | None]:
-    """One draw per row at its request's temperature, all rows in one softmax and one
-    cumulative sum: token = the first whose cumulative probability passes ``u x total``,
-    ``u`` uniform in [0, 1) from the row's generator (exactly the softmax's distribution;
-    a token of probability 0 is never drawn). ``None`` where the row has no drawable
-    token (its probabilities do not sum to a positive finite number): the caller's
-    per-row path then says why."""
+def _cumulative_rows(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """The cumulative sums of each row's softmax at its request's temperature, every row in
+    one softmax and one cumsum (``torch.multinomial`` drew an exponential per vocabulary
+    entry, a row at a time: 11 ms of an eight-sample step at 49,152 tokens)."""
     temps = torch.tensor([r.sampling_params.temperature for r in reqs], dtype=torch.float32)
-    cdf = torch.softmax(logits.float() / temps[:, None], dim=-1).cumsum_(dim=-1)
-    total = cdf[:, -1]
-    u = torch.stack([torch.rand((), generator=g) for g in generators])
-    picks = torch.searchsorted(cdf, (u * total)[:, None], right=True)[:, 0]
-    picks.clamp_(max=logits.shape[-1] - 1)
-    ok = torch.isfinite(total) & (total > 0)
-    return [int(t) if good else None for t, good in zip(picks.tolist(), ok.tolist())]
+    return torch.softmax(logits.float() / temps[:, None], dim=-1).cumsum_(dim=-1)
 
 
 def sample(logits: torch.Tensor, reqs: list[Request],
@@ -183,29 +188,33 @@ def sample(logits: torch.Tensor, reqs: list[Request],
         for i in failed:
             tokens[i] = None
         return SamplerOutput(tokens, [None] * len(reqs))
-    drawn: dict[int, int] = {}
+    cdfs: dict[int, torch.Tensor] = {}
     together = [i for i, r in enumerate(reqs) if i not in failed and _temperature_only(r)]
     if together:
         try:
-            picks = _draw_rows(logits[together], [reqs[i] for i in together],
-                               [generators[i] for i in together])
-            drawn = {i: t for i, t in zip(together, picks) if t is not None}
+            cdfs = dict(zip(together, _cumulative_rows(logits[together],
+                                                       [reqs[i] for i in together])))
         except Exception:  # noqa: BLE001 - each row then goes its own way, failing alone
-            drawn = {}
-        if len(drawn) + len(failed) == len(reqs):
-            return SamplerOutput([drawn.get(i) for i in range(len(reqs))], [None] * len(reqs))
-    logits = logits.float()
+            cdfs = {}
+    if len(cdfs) + len(failed) < len(reqs):
+        logits = logits.float()
     tokens: list[int | None] = []
     logprobs: list[TokenLogprobs | None] = []
-    for i, (row, req, gen) in enumerate(zip(logits, reqs, generators)):
+    for i, (req, gen) in enumerate(zip(reqs, generators)):
         if i in failed:
             tokens.append(None)
             logprobs.append(None)
             continue
-        if i in drawn:
-            tokens.append(drawn[i])
+        if i in cdfs:
+            try:
+                token = _pick(None, req, gen, cdf=cdfs[i])
+            except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+                req.failure = f"sampling failed: {type(exc).__name__}: {exc}"
+                token = None
+            tokens.append(token)
             logprobs.append(None)
             continue
+        row = logits[i]
         try:
             _process_row(row, req)
             token = _pick(row, req, gen)
